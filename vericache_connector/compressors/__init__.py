@@ -1,0 +1,75 @@
+"""Compressor registry: one compressor per file, a dataclass each, registered by name.
+
+``get_compressor("snapkv:ratio=8,window=32")`` or a preset name (``"kivi4"``, ``"snapkv-4x"``) gives a
+configured compressor; unknown names and impossible settings raise ValueError naming the bad value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from .base import CompressedKV, Compressor, LayeredKV, PrefixKV
+
+_MODULES = {
+    "streamingllm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
+    "kivi": "kivi", "int8": "int8", "fp8": "fp8", "turboquant": "turboquant",
+}
+
+PRESETS = {
+    "streamingllm-4x": "streamingllm:ratio=4", "streamingllm-8x": "streamingllm:ratio=8",
+    "snapkv-4x": "snapkv:ratio=4", "snapkv-8x": "snapkv:ratio=8",
+    "tova-4x": "tova:ratio=4", "knorm-4x": "knorm:ratio=4",
+    "kivi4": "kivi:bits=4", "kivi2": "kivi:bits=2",
+    "int8": "int8", "fp8": "fp8",
+    "turboquant-k4v3": "turboquant:key_bits=4,value_bits=3",
+    "turboquant-k3v2": "turboquant:key_bits=3,value_bits=2",
+}
+
+
+def compressor_names() -> list[str]:
+    return sorted(_MODULES)
+
+
+def compressor_class(name: str) -> type[Compressor]:
+    if name not in _MODULES:
+        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(compressor_names())} "
+                         f"or presets {', '.join(sorted(PRESETS))}")
+    module = importlib.import_module(f".{_MODULES[name]}", __name__)
+    return module.COMPRESSOR
+
+
+def _parse_value(field: dataclasses.Field, raw: str, spec: str):
+    typ = field.type if isinstance(field.type, str) else field.type.__name__
+    try:
+        if "int" in typ:
+            return int(raw)
+        if "float" in typ:
+            return float(raw)
+        if "bool" in typ:
+            return raw.lower() in ("1", "true", "yes")
+    except ValueError:
+        raise ValueError(f"bad value {raw!r} for {field.name!r} in compressor spec {spec!r}") from None
+    return raw
+
+
+def get_compressor(spec: str | Compressor) -> Compressor:
+    """Build a compressor from 'name' / 'name:key=value,...' / a preset name."""
+    if isinstance(spec, Compressor):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"compressor spec must be a non-empty string, got {spec!r}")
+    full = PRESETS.get(spec.strip(), spec.strip())
+    name, _, args = full.partition(":")
+    cls = compressor_class(name)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for item in filter(None, args.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"bad setting {item!r} in compressor spec {spec!r}; {name} takes {sorted(fields)}")
+        kwargs[key] = _parse_value(fields[key], raw, spec)
+    return cls(**kwargs)
+
+
+__all__ = ["CompressedKV", "Compressor", "LayeredKV", "PrefixKV", "PRESETS", "compressor_names",
+           "compressor_class", "get_compressor"]

