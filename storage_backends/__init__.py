@@ -1,0 +1,25 @@
+"""VeriCache storage layer: one async byte-store interface chosen by URL, and a
+dual-copy (full + compressed) KV store on top of it. Heavy clients (redis,
+boto3, nixl, lmcache) are imported lazily by the connector that needs them."""
+
+from .base import (
+    BackendOptions,
+    CorruptObject,
+    MissingObject,
+    StorageBackend,
+    StoreError,
+    StoreUnavailable,
+    open_backend,
+)
+from .dual_store import DualCopyStore, PutResult
+from .keys import FULL, ChunkKey, KeySpace, chain_hashes, dtype_str
+from .manifest import LayerEntry, Manifest, checksum
+from .serialization import deserialize, read_header, serialize
+from .throttle import ThrottledBackend, TokenBucket
+
+__all__ = [
+    "BackendOptions", "ChunkKey", "CorruptObject", "DualCopyStore", "FULL", "KeySpace",
+    "LayerEntry", "Manifest", "MissingObject", "PutResult", "StorageBackend", "StoreError",
+    "StoreUnavailable", "ThrottledBackend", "TokenBucket", "chain_hashes", "checksum",
+    "deserialize", "dtype_str", "open_backend", "read_header", "serialize",
+]

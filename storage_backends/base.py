@@ -1,0 +1,134 @@
+"""One async key/value interface over every remote store, chosen by URL."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+from urllib.parse import parse_qs, urlsplit
+
+logger = logging.getLogger("vericache.store")
+
+
+class StoreError(Exception):
+    """Base class of every storage error; the engine falls back to recomputation."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached: down, timed out, or the connection dropped."""
+
+
+class CorruptObject(StoreError):
+    """A stored object fails its checksum, is truncated, or does not parse."""
+
+
+class MissingObject(StoreError):
+    """An object that a manifest (or the caller) expects is not in the store."""
+
+
+@dataclass
+class BackendOptions:
+    """Options shared by all backends (each backend may take more)."""
+
+    timeout_s: float = 10.0  # one operation (read/write) on a reachable store
+    connect_timeout_s: float = 2.0  # establishing a connection
+
+
+class StorageBackend(ABC):
+    """Async byte store. Keys are str, values bytes; every put is all-or-nothing."""
+
+    url: str = ""
+
+    @abstractmethod
+    async def put(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def get(self, key: str) -> bytes | None:
+        """The whole value, or None when the key is absent."""
+
+    @abstractmethod
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes [start, end) of the value (shorter if the value is), None if absent."""
+
+    @abstractmethod
+    async def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove key; absent keys are fine."""
+
+    async def put_many(self, items: Mapping[str, bytes]) -> None:
+        await asyncio.gather(*(self.put(k, v) for k, v in items.items()))
+
+    async def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+
+    async def exists_many(self, keys: Iterable[str]) -> list[bool]:
+        return list(await asyncio.gather(*(self.exists(k) for k in keys)))
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self) -> "StorageBackend":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+def check_range(start: int, end: int) -> None:
+    if start < 0 or end < start:
+        raise ValueError(f"bad byte range [{start}, {end})")
+
+
+def query_options(url: str) -> dict[str, str]:
+    """Last value of each query parameter of url."""
+    return {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
+
+
+def pop_float(opts: dict, name: str, default: float) -> float:
+    value = opts.pop(name, default)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name}={value!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"option {name}={value!r} must be > 0")
+    return value
+
+
+def open_backend(url: str, **opts) -> StorageBackend:
+    """Open the backend named by url's scheme.
+
+    local://[name] (process memory), local:///dir (disk), redis://host:port/db,
+    s3://bucket/prefix?endpoint_url=...&region=..., nixl://host:port.
+    Options (timeout_s, connect_timeout_s, ...) come from **opts or the query.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"bad store URL {url!r}: expected scheme://...")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "local":
+        from .local_connector import open_local
+
+        return open_local(url, **opts)
+    if scheme in ("redis", "rediss"):
+        from .redis_connector import RedisBackend
+
+        return RedisBackend(url, **opts)
+    if scheme == "s3":
+        from .s3_connector import S3Backend
+
+        return S3Backend(url, **opts)
+    if scheme == "nixl":
+        from .nixl_connector import NixlBackend
+
+        return NixlBackend(url, **opts)
+    raise ValueError(
+        f"bad store URL {url!r}: unknown scheme {scheme!r} "
+        "(expected local, redis, s3 or nixl)"
+    )

@@ -1,0 +1,299 @@
+"""DualCopyStore: each prefix stored twice, a full copy (per chunk) and compressed copies.
+
+Reader path: ``get_compressed`` (small, whole prefix) to start drafting, while
+``stream_full`` yields the full KV layer by layer, all chunks concatenated, as
+soon as each layer has arrived. Writer path: ``put_prefix`` writes payloads,
+then manifests (see manifest.py). Any fault raises StoreUnavailable,
+CorruptObject or MissingObject and is logged on "vericache.store".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+import torch
+
+from .base import CorruptObject, MissingObject, StorageBackend, StoreError, logger, open_backend
+from .keys import FULL, ChunkKey, KeySpace, check_spec
+from .manifest import LayerEntry, Manifest, checksum
+from .serialization import decode_layer, serialize
+from .throttle import ThrottledBackend
+
+Layers = Sequence[Mapping[str, torch.Tensor]]
+
+
+@dataclass
+class PutResult:
+    prefix_key: str  # manifest key base of the whole prefix (its last chunk)
+    num_tokens: int
+    full_chunks_written: int = 0
+    full_chunks_present: int = 0
+    full_bytes: int = 0
+    compressed_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class DualCopyStore:
+    """Full + compressed KV copies of token prefixes in one backend.
+
+    url: a store URL for open_backend (or an open StorageBackend).
+    dtype: the model's KV dtype (part of every key, with model_name).
+    bandwidth_bytes_per_s: emulate a slow link for reads (token bucket).
+    write_batch_bytes: full chunks are serialized and written in batches this big.
+    """
+
+    def __init__(self, url: str | StorageBackend, model_name: str, dtype: torch.dtype | str,
+                 chunk_size: int = 256, bandwidth_bytes_per_s: float | None = None, *,
+                 world_size: int = 1, worker_id: int = 0, algo: str = "blake2b",
+                 prefetch_layers: int = 2, write_batch_bytes: int = 64 << 20, **backend_opts):
+        self.keys = KeySpace(model_name, dtype, chunk_size, world_size, worker_id)
+        checksum(b"", algo)  # validates algo
+        self.algo = algo
+        if prefetch_layers < 1:
+            raise ValueError(f"prefetch_layers must be >= 1, got {prefetch_layers}")
+        self.prefetch_layers = prefetch_layers
+        self.write_batch_bytes = write_batch_bytes
+        raw = url if isinstance(url, StorageBackend) else open_backend(url, **backend_opts)
+        self.raw_backend = raw
+        self.backend = ThrottledBackend(raw, bandwidth_bytes_per_s) if bandwidth_bytes_per_s else raw
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    async def __aenter__(self) -> "DualCopyStore":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------- writes
+    async def put_prefix(self, token_ids: Sequence[int], full_layers: Layers | None = None,
+                         compressed: Mapping[str, tuple[Mapping[str, Any], Layers]] | None = None,
+                         *, token_dim: int = 1, overwrite: bool = False) -> PutResult:
+        """Store the full copy and/or compressed copies of the prefix token_ids.
+
+        full_layers: one {"k": [H, T, D], "v": [H, T, D], ...} per layer for the
+          whole prefix (T = len(token_ids) on ``token_dim``); split into chunks.
+          Chunks already stored are skipped unless overwrite.
+        compressed: {spec: (meta, layers)}, one layered payload per spec for the
+          whole prefix. Full chunks are written before compressed copies, so a
+          visible compressed copy implies a complete full copy.
+        """
+        chunks = self.keys.chunks(token_ids)
+        if not chunks:
+            raise ValueError("put_prefix: empty token_ids")
+        n = chunks[-1].end
+        result = PutResult(chunks[-1].base, n)
+        if full_layers is not None:
+            await self._put_full(chunks, full_layers, token_dim, overwrite, result)
+        for spec, value in (compressed or {}).items():
+            check_spec(spec)
+            if spec == FULL:
+                raise ValueError("compressed copies cannot use the spec 'full'")
+            try:
+                meta, layers = value
+            except (TypeError, ValueError):
+                raise ValueError(f"compressed[{spec!r}] must be (meta, layers)") from None
+            result.compressed_bytes[spec] = await self._put_copy(
+                chunks[-1], spec, meta, layers, 0, n, overwrite)
+        return result
+
+    async def _put_full(self, chunks: list[ChunkKey], layers: Layers, token_dim: int,
+                        overwrite: bool, result: PutResult) -> None:
+        n = chunks[-1].end
+        if not layers:
+            raise ValueError("full_layers is empty")
+        for i, layer in enumerate(layers):
+            if "k" not in layer or "v" not in layer:
+                raise ValueError(f"full_layers[{i}] needs 'k' and 'v' tensors, has {sorted(layer)}")
+            for name, t in layer.items():
+                d = token_dim if token_dim >= 0 else t.dim() + token_dim
+                if not 0 <= d < t.dim() or t.shape[d] != n:
+                    raise ValueError(f"full_layers[{i}][{name!r}] has shape {tuple(t.shape)}: "
+                                     f"expected {n} tokens on dim {token_dim}")
+        present = [False] * len(chunks)
+        if not overwrite:
+            present = await self.backend.exists_many([c.copy(FULL) for c in chunks])
+        todo = [c for c, p in zip(chunks, present) if not p]
+        result.full_chunks_present = len(chunks) - len(todo)
+        per_token = sum(t.numel() * t.element_size() for layer in layers for t in layer.values()) / n
+        per_batch = max(1, int(self.write_batch_bytes // max(1.0, per_token * self.keys.chunk_size)))
+        for b in range(0, len(todo), per_batch):
+            batch = todo[b:b + per_batch]
+            encoded = await asyncio.to_thread(self._encode_chunks, batch, layers, token_dim)
+            await self.backend.put_many({m.payload_key: data for m, data in encoded})
+            await self.backend.put_many({m.key: m.to_bytes() for m, _ in encoded})  # manifests last
+            result.full_chunks_written += len(batch)
+            result.full_bytes += sum(len(d) for _, d in encoded)
+
+    def _encode_chunks(self, batch: list[ChunkKey], layers: Layers, token_dim: int):
+        out = []
+        for c in batch:
+            part = [{k: t.narrow(token_dim, c.start, c.end - c.start) for k, t in layer.items()}
+                    for layer in layers]
+            out.append(self._encode(c, FULL, {"token_dim": token_dim}, part, c.start, c.end))
+        return out
+
+    def _encode(self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers,
+                start: int, end: int) -> tuple[Manifest, bytes]:
+        data, spans = serialize(meta, layers)
+        whole = checksum(data, self.algo)
+        view = memoryview(data)
+        m = Manifest(
+            key=chunk.copy(spec), copy=spec, model=self.keys.model_name, dtype=self.keys.dtype_name,
+            payload_key=chunk.blob(spec, whole[:16]), size=len(data), checksum=whole,
+            layers=[LayerEntry(s.offset, s.length, checksum(view[s.offset:s.end], self.algo))
+                    for s in spans],
+            start_token=start, end_token=end, algo=self.algo,
+            meta={"token_dim": meta.get("token_dim")} if spec == FULL else {},
+        )
+        return m, data
+
+    async def _put_copy(self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers,
+                        start: int, end: int, overwrite: bool) -> int:
+        m, data = await asyncio.to_thread(self._encode, chunk, spec, meta, layers, start, end)
+        if not overwrite:
+            old = await self.backend.get(m.key)
+            if old is not None:
+                try:
+                    if Manifest.from_bytes(old, m.key).checksum == m.checksum:
+                        return len(data)  # identical copy already stored
+                except CorruptObject:
+                    pass  # replace a broken manifest
+        await self.backend.put(m.payload_key, data)
+        await self.backend.put(m.key, m.to_bytes())  # manifest last
+        return len(data)
+
+    # ---------------------------------------------------------------- reads
+    async def lookup(self, token_ids: Sequence[int]) -> int:
+        """Number of leading tokens whose full copy is stored (manifests present)."""
+        chunks = self.keys.chunks(token_ids)
+        if not chunks:
+            return 0
+        found = await self.backend.exists_many([c.copy(FULL) for c in chunks])
+        hit = 0
+        for c, ok in zip(chunks, found):
+            if not ok:
+                break
+            hit = c.end
+        return hit
+
+    async def has_compressed(self, token_ids: Sequence[int], spec: str) -> bool:
+        return await self.backend.exists(self.keys.prefix_key(token_ids).copy(check_spec(spec)))
+
+    async def _manifest(self, key: str) -> Manifest | None:
+        raw = await self.backend.get(key)
+        if raw is None:
+            return None
+        try:
+            m = Manifest.from_bytes(raw, key)
+            if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
+                raise CorruptObject(f"manifest {key!r} is for {m.model}/{m.dtype}, "
+                                    f"not {self.keys.model_name}/{self.keys.dtype_name}")
+            return m
+        except CorruptObject as e:
+            logger.warning("corrupt manifest: %s", e)
+            raise
+
+    async def get_compressed(self, token_ids: Sequence[int], spec: str
+                             ) -> tuple[dict, list[dict[str, torch.Tensor]]] | None:
+        """(meta, layers) of compressed copy ``spec`` of exactly this prefix, or None."""
+        from .serialization import deserialize
+
+        key = self.keys.prefix_key(token_ids).copy(check_spec(spec))
+        m = await self._manifest(key)
+        if m is None:
+            return None
+        try:
+            data = m.verify_payload(await self.backend.get(m.payload_key))
+            return await asyncio.to_thread(deserialize, data)
+        except StoreError as e:
+            logger.warning("compressed copy %s unusable: %s", key, e)
+            raise
+
+    async def stream_full(self, token_ids: Sequence[int]) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield (layer_idx, k, v) for the whole prefix, layer by layer, as layers arrive.
+
+        token_ids must be fully stored (see lookup, which is chunk-aligned);
+        otherwise MissingObject is raised before anything is yielded. To stop
+        early, close the iterator (``contextlib.aclosing``) so the prefetch stops.
+        """
+        chunks = self.keys.chunks(token_ids)
+        if not chunks:
+            raise ValueError("stream_full: empty token_ids")
+        try:
+            manifests = await self._full_manifests(chunks)
+        except StoreError as e:
+            logger.warning("full copy of %d tokens unusable: %s: %s", chunks[-1].end, type(e).__name__, e)
+            raise
+        num_layers = len(manifests[0].layers)
+        token_dim = manifests[0].meta.get("token_dim", 1)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.prefetch_layers)
+        fetcher = asyncio.create_task(self._fetch_layers(manifests, num_layers, queue))
+        try:
+            for layer_idx in range(num_layers):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                try:
+                    k, v = await asyncio.to_thread(_join_layer, item, token_dim)
+                except CorruptObject as e:
+                    logger.warning("full copy layer %d does not decode: %s", layer_idx, e)
+                    raise
+                yield layer_idx, k, v
+        finally:
+            fetcher.cancel()
+            await asyncio.gather(fetcher, return_exceptions=True)
+
+    async def _full_manifests(self, chunks: list[ChunkKey]) -> list[Manifest]:
+        keys = [c.copy(FULL) for c in chunks]
+        raws = await self.backend.get_many(keys)
+        manifests = []
+        for c, key, raw in zip(chunks, keys, raws):
+            if raw is None:
+                raise MissingObject(f"full copy of tokens [{c.start}, {c.end}) is not stored "
+                                    f"({self.keys.model_name}/{self.keys.dtype_name}, key {key!r})")
+            m = Manifest.from_bytes(raw, key)
+            if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
+                raise CorruptObject(f"manifest {key!r} is for {m.model}/{m.dtype}")
+            if (m.start_token, m.end_token) != (c.start, c.end):
+                raise CorruptObject(f"manifest {key!r} covers tokens [{m.start_token}, {m.end_token}), "
+                                    f"expected [{c.start}, {c.end})")
+            if manifests and len(m.layers) != len(manifests[0].layers):
+                raise CorruptObject(f"manifest {key!r} has {len(m.layers)} layers, "
+                                    f"chunk 0 has {len(manifests[0].layers)}")
+            manifests.append(m)
+        return manifests
+
+    async def _fetch_layers(self, manifests: list[Manifest], num_layers: int, queue: asyncio.Queue) -> None:
+        try:
+            for layer_idx in range(num_layers):
+                blobs = await asyncio.gather(*(self._fetch_layer(m, layer_idx) for m in manifests))
+                await queue.put(blobs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # hand the error to the consumer, in order
+            logger.warning("full-copy stream failed at layer %d: %s: %s",
+                           layer_idx, type(e).__name__, e)
+            await queue.put(e)
+
+    async def _fetch_layer(self, m: Manifest, layer_idx: int) -> bytes:
+        e = m.layers[layer_idx]
+        return m.verify_layer(layer_idx, await self.backend.get_range(m.payload_key, e.offset, e.end))
+
+    async def get_full(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """All layers of the full copy at once: [(k, v), ...]."""
+        return [(k, v) async for _, k, v in self.stream_full(token_ids)]
+
+
+def _join_layer(blobs: list[bytes], token_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [decode_layer(b) for b in blobs]
+    try:
+        ks = [p["k"] for p in parts]
+        vs = [p["v"] for p in parts]
+    except KeyError as e:
+        raise CorruptObject(f"full-copy layer lacks tensor {e}") from None
+    if len(parts) == 1:
+        return ks[0], vs[0]
+    return torch.cat(ks, dim=token_dim), torch.cat(vs, dim=token_dim)
