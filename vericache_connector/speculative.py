@@ -66,36 +66,53 @@ def _emit(out: list[int], new: list[int], cfg: DecodeConfig, eos: tuple[int, ...
 
 @torch.inference_mode()
 def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Tensor, cfg: DecodeConfig,
-                       on_tokens=None) -> tuple[list[list[int]], SpecStats]:
+                       on_tokens=None, arrival=None) -> tuple[list[list[int]], SpecStats]:
     """Generate from B rows whose prompts are already in `full` (exact) and `draft` (compressed).
 
-    first [B]: the first generated token (sampled from the full-KV prefill logits).
-    Returns the generated tokens per row (starting with `first`) and acceptance statistics.
+    first [B]: the first generated token (sampled from the full-KV prefill logits), or first [B, P]:
+    the last P PROMPT tokens, in neither cache yet (a prefix-cache hit whose suffix still needs a
+    forward). Then round 1 drafts from the compressed KV at once and the verify pass doubles as the
+    suffix's prefill on the full KV.
+    arrival: optional object with ready() -> bool and wait(); the full KV is still streaming in, so
+    round 1 keeps drafting (up to k_max) until ready(), then wait()s before its verify pass.
+    Returns the generated tokens per row (starting with the first one) and acceptance statistics.
     """
     b, dev, eos = full.batch, full.lengths.device, model.cfg.eos_token_ids
     gen = cfg.generator()
     outs = [[] for _ in range(b)]
-    done = [_emit(outs[i], [int(first[i])], cfg, eos) for i in range(b)]
+    if first.dim() == 1:
+        done = [_emit(outs[i], [int(first[i])], cfg, eos) for i in range(b)]
+        pending = first[:, None].clone()
+    else:
+        done, pending = [False] * b, first.clone()
     stats = SpecStats(accepted=[[] for _ in range(b)])
-    pending, k = first.clone(), cfg.draft_k
+    k = cfg.draft_k
     while not all(done):
         base_full, base_draft = full.lengths.clone(), draft.lengths.clone()
+        p_len = pending.shape[1]
         # 1) DRAFT k tokens on the compressed KV: d_i ~ q_i = model(. | compressed prefix, emitted, d_<i).
         #    RoPE positions are the true ones (base_full + i), not the draft cache's own length.
         t0 = time.perf_counter()
         x, drafts, q_probs = pending, [], []
-        for i in range(k):
-            logits, _ = model(x[:, None], (base_full + i)[:, None], draft)
-            x, q_i = sample(logits[:, -1], cfg.temperature, gen)
-            drafts.append(x)
+        pos = base_full[:, None] + torch.arange(p_len, device=dev)[None]
+        while len(drafts) < k or (arrival is not None and not arrival.ready() and len(drafts) < cfg.k_max):
+            logits, _ = model(x, pos, draft)
+            tok, q_i = sample(logits[:, -1], cfg.temperature, gen)
+            drafts.append(tok)
             q_probs.append(q_i)
+            x, pos = tok[:, None], pos[:, -1:] + 1
+        if arrival is not None:
+            arrival.wait()                # the full KV is in the full cache from here on
+            arrival = None
         d = torch.stack(drafts, 1)                                                    # [B, k]
+        k_round = d.shape[1]
         # 2) VERIFY all k in ONE forward over the full KV: inputs [pending, d_1..d_k] give the
-        #    full-KV distributions p_1..p_{k+1} for positions base_full+1 .. base_full+k+1.
+        #    full-KV distributions p_1..p_{k+1} for positions base_full+P .. base_full+P+k.
         t1 = time.perf_counter()
-        verify_in = torch.cat([pending[:, None], d], 1)
-        positions = base_full[:, None] + torch.arange(k + 1, device=dev)[None]
+        verify_in = torch.cat([pending, d], 1)
+        positions = base_full[:, None] + torch.arange(p_len + k_round, device=dev)[None]
         target_logits, _ = model(verify_in, positions, full)
+        target_logits = target_logits[:, p_len - 1:]
         # 3) ACCEPT the longest prefix that the full model agrees with, plus one bonus token.
         if cfg.temperature <= 0:
             n, bonus = accept_greedy(d, target_logits)
@@ -104,11 +121,11 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Te
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        stats.draft_lengths.append(k)
+        stats.draft_lengths.append(k_round)
         # 4) ROLL BACK both caches past the first rejection. The full cache keeps pending + n accepted
         #    (their KV from the verify pass is exact); the draft cache gets those same exact entries.
         active = torch.tensor([not x for x in done], device=dev)
-        keep = torch.where(active, n + 1, torch.zeros_like(n))
+        keep = torch.where(active, n + p_len, torch.zeros_like(n))
         full.lengths = base_full + keep
         draft.copy_from(full, base_full, base_draft, keep)
         draft.lengths = base_draft + keep
@@ -121,10 +138,10 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Te
             done[i] = _emit(outs[i], new, cfg, eos)
             if on_tokens is not None:
                 on_tokens(len(new))
-        pending = bonus
+        pending = bonus[:, None]
         if cfg.adaptive:
             act_n = [int(n[i]) for i in range(b) if active[i]]
-            if act_n and min(act_n) == k:
+            if act_n and min(act_n) == k_round:
                 k = min(cfg.k_max, 2 * k)
             elif act_n and sum(act_n) / len(act_n) < k / 4:
                 k = max(cfg.k_min, k // 2)
