@@ -1,5 +1,26 @@
 """Kernels for VeriCache: each op has a torch reference, a Triton kernel (CUDA) and a dispatch.
 
 The dispatch functions exported here pick the Triton kernel when the tensors live on CUDA and
-Triton imports, and the torch reference everywhere else.
+Triton imports, and the torch reference everywhere else (``backend="ref"|"triton"`` forces one).
+Importing this package imports torch only; Triton is imported on the first CUDA call.
 """
+from .attention import (attention_ref, gathered_attention, gathered_attention_ref, verify_attention,
+                        verify_attention_ref)
+from .bitpack import pack_bits_ref, packed_len, pad_multiple, unpack_bits_ref
+from .kivi import (kivi_decode_attention, kivi_decode_attention_ref, kivi_dequantize_keys,
+                   kivi_dequantize_values, kivi_quantize_keys, kivi_quantize_values, kivi_split)
+from .pack import pack_bits, unpack_bits, unpack_bits_float
+from .turboquant import (lloyd_max_gaussian, turbo_codebook, turbo_decode_attention,
+                         turbo_decode_attention_ref, turbo_dequantize, turbo_dequantize_rotated,
+                         turbo_quantize, turbo_rotation)
+from ._dispatch import triton_available
+
+__all__ = [
+    "attention_ref", "gathered_attention", "gathered_attention_ref", "verify_attention",
+    "verify_attention_ref", "pack_bits_ref", "packed_len", "pad_multiple", "unpack_bits_ref",
+    "kivi_decode_attention", "kivi_decode_attention_ref", "kivi_dequantize_keys",
+    "kivi_dequantize_values", "kivi_quantize_keys", "kivi_quantize_values", "kivi_split",
+    "pack_bits", "unpack_bits", "unpack_bits_float", "lloyd_max_gaussian", "turbo_codebook", "turbo_decode_attention",
+    "turbo_decode_attention_ref", "turbo_dequantize", "turbo_dequantize_rotated", "turbo_quantize",
+    "turbo_rotation", "triton_available",
+]

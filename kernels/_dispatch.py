@@ -1,0 +1,41 @@
+"""Backend choice shared by every dispatch function.
+
+``backend`` arguments accept "auto" (Triton when every tensor is on CUDA and Triton imports, else
+the torch reference), "ref" (always the reference) and "triton" (force the kernel; raises when
+Triton is missing). The environment variable VERICACHE_KERNELS=ref turns "auto" into "ref"
+(debugging aid). Nothing is imported or probed at import time.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("auto", "ref", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when `import triton` works (probed once, lazily)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising at import
+        return False
+    return True
+
+
+def use_triton(backend: str, *tensors: torch.Tensor | None) -> bool:
+    """Resolve `backend` for these tensors: True -> run the Triton kernel."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "ref":
+        return False
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' requested but triton does not import")
+        return True
+    if os.environ.get("VERICACHE_KERNELS", "").lower() == "ref":
+        return False
+    return triton_available() and all(t is None or t.is_cuda for t in tensors)
