@@ -45,3 +45,38 @@ def test_lossy_decoding_drifts(engine, prefills, reference, greedy_cfg):
     comp = get_compressor("streamingllm-8x")
     lossy = engine.generate_lossy(prefills, [comp.compress(p.prefix) for p in prefills], greedy_cfg)
     assert any(a != b for a, b in zip(lossy, reference))
+
+
+class _SlowArrival:
+    """Stands in for a full KV copy that is still streaming: ready after `after` polls."""
+
+    def __init__(self, after: int):
+        self.polls, self.after, self.waited = 0, after, False
+
+    def ready(self) -> bool:
+        self.polls += 1
+        return self.polls > self.after
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+def test_prefix_hit_with_suffix_and_late_full_kv(engine, prefills, reference, greedy_cfg):
+    """A prefix-cache hit: the cache holds the first 1536 prompt tokens, the last ones are pending.
+    Drafting starts from the compressed prefix before the full KV has 'arrived' (and goes on past
+    draft_k while it streams); the first verify pass doubles as the suffix's prefill."""
+    import torch
+
+    from vericache_connector.speculative import speculative_decode
+
+    pre = prefills[0]
+    stored = 1536
+    prefix = engine.prefill(pre.prompt_ids[:stored])
+    comp = get_compressor("kivi4").compress(prefix.prefix)
+    extra = len(pre.prompt_ids) - stored + greedy_cfg.max_new_tokens + greedy_cfg.k_max + 2
+    full, draft = engine.full_cache([prefix], extra), engine.draft_cache([comp], extra)
+    arrival = _SlowArrival(after=20)
+    suffix = torch.tensor([pre.prompt_ids[stored:]])
+    outs, stats = speculative_decode(engine.model, full, draft, suffix, greedy_cfg, arrival=arrival)
+    assert arrival.waited and stats.draft_lengths[0] > greedy_cfg.draft_k
+    assert outs[0] == reference[0]

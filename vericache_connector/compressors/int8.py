@@ -9,31 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, LayeredKV, PrefixKV
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (x.float().abs().amax(-1, keepdim=True) / 127).to(torch.float16)
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-    return (x.float() / safe).round().clamp(-127, 127).to(torch.int8), scale
+from .scaled import ScaledCompressor, per_token_scale
 
 
 @dataclass
-class Int8Compressor(Compressor):
+class Int8Compressor(ScaledCompressor):
     name = "int8"
 
-    def compress(self, prefix: PrefixKV) -> LayeredKV:
-        layers = []
-        for k, v in zip(prefix.keys, prefix.values):
-            kq, ks = quantize_int8(k)
-            vq, vs = quantize_int8(v)
-            layers.append({"k": kq, "k_scale": ks, "v": vq, "v_scale": vs})
-        return LayeredKV(self.spec, {"compressor": self.name, "num_tokens": prefix.num_tokens}, layers)
-
     @staticmethod
-    def decode(meta, t, dtype):
-        return ((t["k"].float() * t["k_scale"].float()).to(dtype),
-                (t["v"].float() * t["v_scale"].float()).to(dtype))
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, div = per_token_scale(x, 127.0)
+        return (x.float() / div).round().clamp(-127, 127).to(torch.int8), scale
 
 
 COMPRESSOR = Int8Compressor

@@ -26,7 +26,7 @@ class KIVICompressor(Compressor):
     bits: int = 4
     group: int = 32          # tokens per key group (per-channel quantization)
     value_group: int = 32    # channels per value group (per-token quantization)
-    residual: int = 32       # newest tokens kept in full precision
+    residual: int = 128      # newest tokens kept in full precision (KIVI paper: R=128, G=32)
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 8):
