@@ -9,6 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 from .base import (
     BackendOptions,
     StorageBackend,
+    StoreError,
     StoreUnavailable,
     check_range,
     logger,
@@ -63,6 +64,7 @@ class RedisBackend(StorageBackend):
 
     async def _call(self, what: str, make_coro):
         from redis.exceptions import ConnectionError as RConnError
+        from redis.exceptions import RedisError
         from redis.exceptions import TimeoutError as RTimeout
 
         client = self._redis()
@@ -71,6 +73,9 @@ class RedisBackend(StorageBackend):
         except (RConnError, RTimeout, OSError, asyncio.TimeoutError, EOFError) as e:
             logger.warning("redis %s failed on %s: %s: %s", what, self.url, type(e).__name__, e)
             raise StoreUnavailable(f"{self.url}: {what} failed: {type(e).__name__}: {e}") from e
+        except RedisError as e:  # OOM, READONLY, other server replies: still a store error
+            logger.warning("redis %s refused on %s: %s: %s", what, self.url, type(e).__name__, e)
+            raise StoreError(f"{self.url}: {what} refused: {type(e).__name__}: {e}") from e
 
     def _k(self, key: str) -> str:
         return self.prefix + key

@@ -35,8 +35,9 @@ class Prefill:
 
 
 class VeriCacheEngine:
-    def __init__(self, model: CausalLM, tokenizer=None, obs_window: int = 32):
+    def __init__(self, model: CausalLM, tokenizer=None, obs_window: int = 32, model_name: str = "model"):
         self.model, self.tokenizer, self.obs_window = model, tokenizer, obs_window
+        self.model_name = model_name   # names the model in store keys
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, dtype: torch.dtype | None = None,
@@ -44,7 +45,8 @@ class VeriCacheEngine:
         from transformers import AutoTokenizer
 
         path = resolve_model_dir(model)
-        return cls(load_model(path, dtype=dtype, device=device), AutoTokenizer.from_pretrained(path))
+        return cls(load_model(path, dtype=dtype, device=device), AutoTokenizer.from_pretrained(path),
+                   model_name=path.name)
 
     @property
     def max_context(self) -> int:

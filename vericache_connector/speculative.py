@@ -122,15 +122,10 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Te
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.draft_lengths.append(k_round)
-        # 4) ROLL BACK both caches past the first rejection. The full cache keeps pending + n accepted
-        #    (their KV from the verify pass is exact); the draft cache gets those same exact entries.
-        active = torch.tensor([not x for x in done], device=dev)
-        keep = torch.where(active, n + p_len, torch.zeros_like(n))
-        full.lengths = base_full + keep
-        draft.copy_from(full, base_full, base_draft, keep)
-        draft.lengths = base_draft + keep
+        # 3b) EMIT the accepted drafts and the bonus token (up to the budget / EOS).
+        active = [not x for x in done]
         for i in range(b):
-            if done[i]:
+            if not active[i]:
                 continue
             ni = int(n[i])
             stats.accepted[i].append(ni)
@@ -138,6 +133,14 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Te
             done[i] = _emit(outs[i], new, cfg, eos)
             if on_tokens is not None:
                 on_tokens(len(new))
+        # 4) ROLL BACK both caches past the first rejection. The full cache keeps pending + n accepted
+        #    (their KV from the verify pass is exact); the draft cache gets those same exact entries.
+        #    Finished rows keep nothing more, so their later (ignored) writes stay within capacity.
+        going = torch.tensor([a and not x for a, x in zip(active, done)], device=dev)
+        keep = torch.where(going, n + p_len, torch.zeros_like(n))
+        full.lengths = base_full + keep
+        draft.copy_from(full, base_full, base_draft, keep)
+        draft.lengths = base_draft + keep
         pending = bonus[:, None]
         if cfg.adaptive:
             act_n = [int(n[i]) for i in range(b) if active[i]]
