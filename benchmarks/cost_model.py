@@ -1,0 +1,267 @@
+"""A roofline cost model: full-KV decoding vs VeriCache on big models and GPUs, from measured acceptance.
+
+Decode on a GPU is memory bound, so a forward pass costs the bytes it reads / HBM bandwidth (or its FLOPs /
+peak FLOP/s, whichever is larger):
+
+    full step   = (W + B*T*kv) / HBM               plain decoding: weights + the full KV, once per token
+    draft step  = (W + B*c*T*kv) / HBM             VeriCache drafts on the compressed KV (ratio c)
+    verify step = (W + B*T*kv) / HBM               one pass over the full KV checks k drafts (k+1 tokens)
+    VeriCache per token = (k * draft + verify) / (a + 1)     a = mean accepted drafts per verification
+
+  W = weight bytes (params x 2, bf16), kv = KV bytes per token (layers x kv_heads x head_dim x 2 x 2, bf16),
+  T = context tokens, B = batch (concurrent requests), c = compressed bytes / full bytes.
+
+The prefix KV comes over a link (network or PCIe) at L bytes/s. Full-KV (what LMCache does today) waits
+for the whole copy, then decodes:  e2e = B*T*kv/L + N * full_step, first token at B*T*kv/L + full_step.
+VeriCache fetches the compressed copy first (c*B*T*kv/L), drafts while the full copy streams in (serially on
+the same link, as RemotePrefixCache does), up to k_max drafts; the first verify runs once the full copy is in
+and k1 = max(k, min(k_max, drafts that fit in the transfer)) drafts are made; it emits min(a(k1), k1) + 1 tokens; then steady rounds.
+With --compressed-local (Workload.compressed_local_bytes_per_s) the compressed copy comes over its own path
+(e.g. kept in host DRAM, PCIe 5) in parallel, so the full copy is not delayed by it.
+Tensor parallelism (tp GPUs) divides W and the KV over tp HBMs. Suffix prefill and kernel launch overheads
+are ignored (both designs pay them).
+
+Compression ratios measured on the CPU float32 KV are rescaled for quantizers (kivi, int8, fp8, turboquant:
+the same bits per element are worth twice as much against a bf16 KV: c_bf16 = min(1, c_fp32 * 4 / 2)); eviction
+ratios (streamingllm, snapkv, tova, knorm) do not depend on the dtype.
+
+    python benchmarks/cost_model.py                                   # built-in acceptance figures
+    python benchmarks/cost_model.py --measured results/side_by_side/<stamp>/results.json
+    python benchmarks/cost_model.py --measured results/acceptance/<stamp>/results.json --context 32768 --batch 1 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GBIT = 1e9 / 8
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    hbm_bytes_per_s: float          # per GPU
+    flops: float                    # dense bf16 FLOP/s per GPU
+    hbm_bytes: float                # capacity per GPU
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tp: int = 1                     # GPUs the model is sharded over (tensor parallel)
+    bytes_per_param: int = 2
+    kv_bytes_per_elem: int = 2
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.kv_bytes_per_elem
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What was measured: the compressor, the draft horizon k, the mean accepted drafts per verification
+    (at k, and optionally at k_max for the long first round), and the compressed/full byte ratio."""
+    compressor: str
+    k: int
+    accepted: float
+    compression: float
+    k_max: int = 32
+    accepted_at_k_max: float | None = None   # default: same acceptance RATE as at k, capped by k_max
+
+
+@dataclass(frozen=True)
+class Workload:
+    context: int = 16384            # prefix tokens per request (all fetched)
+    batch: int = 1
+    new_tokens: int = 256
+    compressed_local_bytes_per_s: float | None = None  # compressed copy on its own path (e.g. host DRAM
+                                                       # over PCIe), fetched in parallel with the full copy
+
+
+HARDWARE = {
+    "H100": Hardware("H100 SXM", 3.35e12, 989e12, 80e9),
+    "H200": Hardware("H200", 4.8e12, 989e12, 141e9),
+}
+MODELS = {
+    "llama3-8b": Model("Llama-3-8B", 8.03e9, 32, 8, 128),
+    "qwen3-32b": Model("Qwen3-32B", 32.8e9, 64, 8, 128),
+    "llama3.3-70b": Model("Llama-3.3-70B", 70.6e9, 80, 8, 128, tp=2),
+}
+LINKS = {
+    "25GbE": Link("25 Gbit/s", 25 * GBIT), "100GbE": Link("100 Gbit/s", 100 * GBIT),
+    "400GbE": Link("400 Gbit/s", 400 * GBIT), "PCIe5x16": Link("PCIe 5 x16", 64e9),
+}
+# Used when no --measured file is given: SmolLM2-135M, greedy, kivi4 and snapkv-4x (benchmarks/README.md).
+BUILTIN = [Drafting("kivi4", 8, 6.5, 0.181 * 2, 32, None), Drafting("snapkv-4x", 8, 5.0, 0.252, 32, None)]
+QUANTIZERS = ("kivi", "int8", "fp8", "turboquant")
+
+
+def pass_s(hw: Hardware, m: Model, kv_bytes: float, tokens: int) -> float:
+    """One forward of `tokens` query tokens per request: max(bytes read / HBM, FLOPs / peak), over tp GPUs."""
+    mem = (m.weight_bytes + kv_bytes) / (hw.hbm_bytes_per_s * m.tp)
+    compute = 2 * m.params * tokens / (hw.flops * m.tp)
+    return max(mem, compute)
+
+
+@dataclass
+class Prediction:
+    model: str
+    hardware: str
+    link: str
+    compressor: str
+    k: int
+    context: int
+    batch: int
+    fits: bool
+    full_step_ms: float
+    draft_step_ms: float
+    verify_step_ms: float
+    vc_token_ms: float
+    decode_speedup: float
+    transfer_full_s: float
+    ttft_full_s: float
+    ttft_vc_s: float
+    e2e_full_s: float
+    e2e_vc_s: float
+    e2e_speedup: float
+
+
+def accepted_at(d: Drafting, k: int) -> float:
+    if k == d.k:
+        return d.accepted
+    if k == d.k_max and d.accepted_at_k_max is not None:
+        return d.accepted_at_k_max
+    return min(k, d.accepted / d.k * k)
+
+
+def predict(hw: Hardware, m: Model, link: Link, d: Drafting, w: Workload) -> Prediction:
+    kv_full = w.batch * w.context * m.kv_bytes_per_token
+    full = pass_s(hw, m, kv_full, w.batch)
+    draft = pass_s(hw, m, d.compression * kv_full, w.batch)
+    verify = pass_s(hw, m, kv_full, w.batch * (d.k + 1))
+    vc_tok = (d.k * draft + verify) / (min(d.accepted, d.k) + 1)     # at most k drafts can be accepted
+    x_full = kv_full / link.bytes_per_s
+    if w.compressed_local_bytes_per_s:       # separate path, in parallel: the full copy is not delayed
+        x_comp = d.compression * kv_full / w.compressed_local_bytes_per_s
+        full_in = x_full
+    else:                                    # the implementation: same link, compressed copy first
+        x_comp = d.compression * x_full
+        full_in = x_comp + x_full
+    # full-KV: wait for the whole copy, then N plain steps
+    ttft_full, e2e_full = x_full + full, x_full + w.new_tokens * full
+    # VeriCache: compressed copy, drafting overlapped with the full stream, first verify, steady rounds
+    k1 = max(d.k, min(d.k_max, math.floor(max(0.0, full_in - x_comp) / draft)))
+    verify1 = pass_s(hw, m, kv_full, w.batch * (k1 + 1))
+    ttft_vc = max(x_comp + k1 * draft, full_in) + verify1
+    tokens1 = min(k1, accepted_at(d, k1)) + 1
+    e2e_vc = ttft_vc + max(0.0, w.new_tokens - tokens1) * vc_tok
+    need = m.weight_bytes + kv_full * (1 + d.compression)
+    return Prediction(m.name, hw.name, link.name, d.compressor, d.k, w.context, w.batch,
+                      need <= hw.hbm_bytes * m.tp, full * 1e3, draft * 1e3, verify * 1e3, vc_tok * 1e3,
+                      full / vc_tok, x_full, ttft_full, ttft_vc, e2e_full, e2e_vc, e2e_full / e2e_vc)
+
+
+def load_measured(path: Path, ks: list[int] | None = None) -> list[Drafting]:
+    """Drafting figures from a results.json of side_by_side.py (vericache rows) or acceptance.py."""
+    data = json.loads(Path(path).read_text())
+    kv_elem = 4 if data.get("kv_bytes_per_token", 46080) == 46080 else 2   # CPU SmolLM2 runs are float32
+    acc: dict = {}
+    ratio: dict = {}
+    for r in data["rows"]:
+        if "mean_accepted" in r:                                   # acceptance.py
+            comp, k, a = r["compressor"], str(r["k"]), r["mean_accepted"]
+        elif r.get("method") == "vericache" and r.get("accepted") is not None:   # side_by_side.py
+            comp, k = r["compressor"], str(r["k"])
+            a = r["accepted_at_k"] if r.get("accepted_at_k") is not None else r["accepted"]
+        else:
+            continue
+        if not k.isdigit():
+            continue
+        acc.setdefault((comp, int(k)), []).append(a)
+        if r.get("bytes_ratio") is not None:
+            ratio[comp] = r["bytes_ratio"]
+    out = []
+    for (comp, k), xs in sorted(acc.items()):
+        if ks and k not in ks:
+            continue
+        c = ratio.get(comp, 1.0)
+        if comp.startswith(QUANTIZERS):
+            c = min(1.0, c * kv_elem / 2)
+        at_max = acc.get((comp, 32))
+        out.append(Drafting(comp, k, sum(xs) / len(xs), c, 32, sum(at_max) / len(at_max) if at_max else None))
+    if not out:
+        raise SystemExit(f"{path}: no acceptance rows found")
+    return out
+
+
+def table(preds: list[Prediction]) -> str:
+    lines = ["| model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms "
+             "| VC ms/tok | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup** |",
+             "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in preds:
+        lines.append(f"| {p.model} | {p.hardware} | {p.link} | {p.compressor} | {p.k} | {p.context} | {p.batch} "
+                     f"| {'yes' if p.fits else 'NO'} | {p.full_step_ms:.2f} | {p.draft_step_ms:.2f} "
+                     f"| {p.verify_step_ms:.2f} | {p.vc_token_ms:.2f} | **{p.decode_speedup:.2f}x** "
+                     f"| {p.transfer_full_s:.3f} | {p.ttft_full_s:.3f} | {p.ttft_vc_s:.3f} | **{p.e2e_speedup:.2f}x** |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--measured", type=Path, help="results.json of side_by_side.py or acceptance.py")
+    p.add_argument("--ks", nargs="+", type=int, default=[8, 32], help="draft horizons to take from --measured")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--hardware", nargs="+", default=["H200"], choices=list(HARDWARE))
+    p.add_argument("--links", nargs="+", default=["100GbE"], choices=list(LINKS))
+    p.add_argument("--context", nargs="+", type=int, default=[16384, 131072])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--compressed-local", choices=list(LINKS), default=None,
+                   help="the compressed copy comes over this separate path in parallel (default: same link)")
+    p.add_argument("--out", default="results/cost_model")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    local = LINKS[args.compressed_local].bytes_per_s if args.compressed_local else None
+    drafts = load_measured(args.measured, args.ks) if args.measured else BUILTIN
+    preds = [predict(HARDWARE[h], MODELS[m], LINKS[l], d, Workload(t, b, args.new_tokens,
+                                                                       local))
+             for m in args.models for h in args.hardware for l in args.links for d in drafts
+             for t in args.context for b in args.batch]
+    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    src = args.measured or "built-in figures"
+    head = (f"Cost model (roofline, memory-bound decode; see benchmarks/cost_model.py). Acceptance and compression "
+            f"from {src}; {args.new_tokens} new tokens; compressed copy "
+            f"{'over ' + args.compressed_local + ' in parallel' if args.compressed_local else 'first, on the same link'}. Command: `{cmd}`")
+    text = head + "\n\n" + table(preds)
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({"command": cmd, "drafting": [asdict(d) for d in drafts],
+                                                  "rows": [asdict(x) for x in preds]}, indent=2))
+    (out / "command.txt").write_text(cmd + "\n")
+    print(json.dumps([asdict(x) for x in preds], indent=2) if args.json else text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The prepared GPU scripts run (tiny config, CPU) so they do not rot between device calls."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_step_time_smoke(capsys):
+    mod = load("gpu_step_time")
+    assert mod.main(["--smoke", "--layers", "2", "--contexts", "256", "--batches", "1", "2", "--reps", "2",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 2 and all(r["full_s"] > 0 and r["verify_s"] > 0 and r["predicted_speedup"] > 0 for r in rows)
+
+
+def test_gpu_step_time_refuses_without_cuda(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the script runs instead of refusing")
+    assert load("gpu_step_time").main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
