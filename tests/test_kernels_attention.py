@@ -9,18 +9,7 @@ from kernels._dispatch import use_triton
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def oracle(q, k, v, kt, vt):
-    """float64 SDPA over cat(prefix, tail), KV heads repeated, mask built element by element."""
-    hq, lq = q.shape[-3], q.shape[-2]
-    kk, vv = torch.cat([k, kt], -2).double(), torch.cat([v, vt], -2).double()
-    rep = hq // kk.shape[-3]
-    kk, vv = kk.repeat_interleave(rep, -3), vv.repeat_interleave(rep, -3)
-    t, lt = k.shape[-2], kt.shape[-2]
-    mask = torch.ones(lq, t + lt, dtype=torch.bool)
-    for i in range(lq):
-        for j in range(lt):
-            mask[i, t + j] = j <= lt - lq + i
-    return F.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=mask)
+from attention_oracle import oracle  # noqa: E402
 
 
 def _rand(g, *shape, dtype=torch.float32):

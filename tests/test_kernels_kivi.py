@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import (kivi_decode_attention, kivi_decode_attention_ref, kivi_dequantize_keys,
                      kivi_dequantize_values, kivi_quantize_keys, kivi_quantize_values, kivi_split,
@@ -99,19 +98,7 @@ def test_bad_shapes_raise():
 
 # ---- decode attention --------------------------------------------------------------------------
 
-def oracle(q, k, v, kt, vt):
-    """Independent: float64 SDPA over cat(prefix, tail) with repeated KV heads and an explicit mask
-    (prefix always visible; query i, the (Lt-Lq+i)-th tail token, sees tail j <= Lt - Lq + i)."""
-    hq, lq = q.shape[-3], q.shape[-2]
-    kk, vv = torch.cat([k, kt], -2).double(), torch.cat([v, vt], -2).double()
-    rep = hq // k.shape[-3]
-    kk, vv = kk.repeat_interleave(rep, -3), vv.repeat_interleave(rep, -3)
-    t, lt = k.shape[-2], kt.shape[-2]
-    mask = torch.ones(lq, t + lt, dtype=torch.bool)
-    for i in range(lq):
-        for j in range(lt):
-            mask[i, t + j] = j <= lt - lq + i
-    return F.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=mask)
+from attention_oracle import oracle  # noqa: E402
 
 
 @pytest.mark.parametrize("t_total,lq,batch", [(64, 1, None), (500, 4, 2), (4097, 1, 1), (4097, 3, None)])

@@ -25,7 +25,7 @@ class KIVICompressor(Compressor):
     name = "kivi"
     bits: int = 4
     group: int = 32          # tokens per key group (per-channel quantization)
-    value_group: int = 32    # channels per value group (per-token quantization)
+    value_group: int = 16    # channels per value group (per-token); 16 = 4 groups per 64-dim head
     residual: int = 128      # newest tokens kept in full precision (KIVI paper: R=128, G=32)
 
     def __post_init__(self):
