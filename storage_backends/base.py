@@ -35,6 +35,13 @@ class BackendOptions:
     timeout_s: float = 10.0  # one operation (read/write) on a reachable store
     connect_timeout_s: float = 2.0  # establishing a connection
 
+    @classmethod
+    def pop_from(cls, opts: dict) -> "BackendOptions":
+        """Take the shared options out of `opts` (URL query + keyword options); the rest stay."""
+        defaults = cls()
+        return cls(timeout_s=pop_float(opts, "timeout_s", defaults.timeout_s),
+                   connect_timeout_s=pop_float(opts, "connect_timeout_s", defaults.connect_timeout_s))
+
 
 class StorageBackend(ABC):
     """Async byte store. Keys are str, values bytes; every put is all-or-nothing."""

@@ -92,25 +92,19 @@ class Manifest:
 
     def verify_payload(self, data: bytes | None) -> bytes:
         """The payload, after size and checksum checks."""
-        if data is None:
-            raise MissingObject(f"payload {self.payload_key!r} listed in manifest {self.key!r} is missing")
-        if len(data) != self.size:
-            raise CorruptObject(
-                f"payload {self.payload_key!r} truncated or resized: {len(data)} bytes, manifest says {self.size}"
-            )
-        if checksum(data, self.algo) != self.checksum:
-            raise CorruptObject(f"payload {self.payload_key!r}: {self.algo} checksum mismatch")
-        return data
+        return self._verify(data, "", self.size, self.checksum)
 
     def verify_layer(self, index: int, blob: bytes | None) -> bytes:
         """One layer's bytes (from a range read), after length and checksum checks."""
         entry = self.layers[index]
-        if blob is None:
+        return self._verify(blob, f" layer {index}", entry.length, entry.checksum)
+
+    def _verify(self, data: bytes | None, part: str, length: int, digest: str) -> bytes:
+        if data is None:
             raise MissingObject(f"payload {self.payload_key!r} listed in manifest {self.key!r} is missing")
-        if len(blob) != entry.length:
-            raise CorruptObject(
-                f"payload {self.payload_key!r} layer {index}: got {len(blob)} bytes, expected {entry.length} (truncated)"
-            )
-        if checksum(blob, self.algo) != entry.checksum:
-            raise CorruptObject(f"payload {self.payload_key!r} layer {index}: {self.algo} checksum mismatch")
-        return blob
+        if len(data) != length:
+            raise CorruptObject(f"payload {self.payload_key!r}{part} truncated or resized: "
+                                f"got {len(data)} bytes, manifest says {length}")
+        if checksum(data, self.algo) != digest:
+            raise CorruptObject(f"payload {self.payload_key!r}{part}: {self.algo} checksum mismatch")
+        return data

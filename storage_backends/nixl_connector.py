@@ -19,7 +19,6 @@ from .base import (
     StoreUnavailable,
     check_range,
     logger,
-    pop_float,
     query_options,
 )
 from .nixl_server import frame, read_frame
@@ -38,11 +37,7 @@ class NixlBackend(StorageBackend):
         if not parts.hostname or not port:
             raise ValueError(f"bad store URL {url!r}: expected nixl://host:port")
         opts = {**query_options(url), **opts}
-        defaults = BackendOptions()
-        self.options = BackendOptions(
-            timeout_s=pop_float(opts, "timeout_s", defaults.timeout_s),
-            connect_timeout_s=pop_float(opts, "connect_timeout_s", defaults.connect_timeout_s),
-        )
+        self.options = BackendOptions.pop_from(opts)
         self.nixl_backend = str(opts.pop("backend", "UCX"))
         self.prefix = str(opts.pop("prefix", ""))
         if opts:

@@ -13,7 +13,6 @@ from .base import (
     StoreUnavailable,
     check_range,
     logger,
-    pop_float,
     query_options,
 )
 
@@ -34,11 +33,7 @@ class RedisBackend(StorageBackend):
         except ValueError:
             raise ValueError(f"bad store URL {url!r}: bad port") from None
         opts = {**query_options(url), **opts}
-        defaults = BackendOptions()
-        self.options = BackendOptions(
-            timeout_s=pop_float(opts, "timeout_s", defaults.timeout_s),
-            connect_timeout_s=pop_float(opts, "connect_timeout_s", defaults.connect_timeout_s),
-        )
+        self.options = BackendOptions.pop_from(opts)
         self.prefix = str(opts.pop("prefix", ""))
         self.max_connections = int(opts.pop("max_connections", 32))
         if opts:

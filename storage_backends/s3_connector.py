@@ -13,7 +13,6 @@ from .base import (
     StoreUnavailable,
     check_range,
     logger,
-    pop_float,
     query_options,
 )
 
@@ -34,11 +33,7 @@ class S3Backend(StorageBackend):
         if not parts.netloc:
             raise ValueError(f"bad store URL {url!r}: expected s3://bucket/prefix")
         opts = {**query_options(url), **opts}
-        defaults = BackendOptions()
-        self.options = BackendOptions(
-            timeout_s=pop_float(opts, "timeout_s", defaults.timeout_s),
-            connect_timeout_s=pop_float(opts, "connect_timeout_s", defaults.connect_timeout_s),
-        )
+        self.options = BackendOptions.pop_from(opts)
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         self.endpoint_url = opts.pop("endpoint_url", None) or None
