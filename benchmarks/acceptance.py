@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     lens = [p.num_tokens for p in pre]
-    header = f"| compressor | bytes vs full | " + " | ".join(f"k={k}" for k in args.ks) + " | identical |"
+    header = "| compressor | bytes vs full | " + " | ".join(f"k={k}" for k in args.ks) + " | identical |"
     lines = [f"Mean accepted drafts per verification, greedy, {len(pre)} prompts of {min(lens)}-{max(lens)} "
              f"tokens, {args.new_tokens} new tokens. Each cell: pooled over all verifications / mean of the "
              f"per-prompt means. Command: `{cmd}`", "", header,

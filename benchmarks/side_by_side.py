@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import shlex
 import sys
 import time
@@ -148,8 +147,6 @@ class Bench:
 
     # ---- (b) recompute ------------------------------------------------------------------------
     def recompute(self, name: str, ids: list[int]) -> Run:
-        from vericache_connector.speculative import autoregressive_decode
-
         t0 = time.perf_counter()
         cfg = decode_cfg("8", self.args.new_tokens, self.args.k_max)
         pre = self.engine.prefill(ids)
@@ -197,7 +194,6 @@ class Bench:
 
     # ---- (c) lossy: compressed copy only ---------------------------------------------------------
     def lossy(self, name, ids, stored, gbit, comp_name, comp) -> tuple[Run, object]:
-        from vericache_connector.compressors import LayeredKV
         from vericache_connector.speculative import autoregressive_decode
 
         torch, n_new = self.torch, self.args.new_tokens
@@ -250,13 +246,6 @@ class Bench:
                    path=res.path)
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -269,7 +258,6 @@ def aggregate(runs: list[Run], quality: dict, ref_bytes: dict) -> list[dict]:
     for r in runs:
         groups.setdefault(keyf(r), []).append(r)
     base = {g: {r.prompt: r for r in rs} for (m, _, _, g), rs in groups.items() if m == "full-kv"}
-    recompute = {r.prompt: r for r in runs if r.method == "recompute"}
     rows = []
     for (method, comp, k, gbit), rs in groups.items():
         gbits = [gbit] if gbit is not None else sorted(base)
@@ -430,6 +418,7 @@ def main(argv=None) -> int:
     import torch
 
     from vericache_connector.compressors import get_compressor
+    from vericache_connector.demo import first_divergence
     from vericache_connector.engine import VeriCacheEngine
     from vericache_connector.prompts import load_prompts
 

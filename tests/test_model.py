@@ -59,7 +59,7 @@ def test_ragged_batch_rows_equal_single_rows(engine):
     g = torch.Generator().manual_seed(0)
     lens = [37, 90, 64]
     prompts = [torch.randint(0, 49152, (n,), generator=g) for n in lens]
-    singles, caches = [], []
+    caches = []
     for p in prompts:
         c = m.new_cache(1, 200)
         m(p[None], torch.arange(len(p))[None], c)

@@ -16,6 +16,7 @@ from .compressors import CompressedKV, PrefixKV
 from .kv_cache import KVCache
 from .model import CausalLM, load_model
 from .model_loader import resolve_model_dir
+from .sampling import sample
 from .speculative import DecodeConfig, SpecStats, autoregressive_decode, speculative_decode
 
 Tensor = torch.Tensor
@@ -93,11 +94,7 @@ class VeriCacheEngine:
         return cache
 
     def first_tokens(self, prefills: list[Prefill], cfg: DecodeConfig) -> Tensor:
-        logits = torch.stack([p.logits for p in prefills])
-        if cfg.temperature <= 0:
-            return logits.argmax(-1)
-        return torch.multinomial(torch.softmax(logits / cfg.temperature, -1), 1,
-                                 generator=cfg.generator())[:, 0]
+        return sample(torch.stack([p.logits for p in prefills]), cfg.temperature, cfg.generator())[0]
 
     # ---- the three decoders -------------------------------------------------------------------
     def generate_full(self, prefills: list[Prefill], cfg: DecodeConfig, on_tokens=None) -> list[list[int]]:

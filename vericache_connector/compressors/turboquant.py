@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kernels.turboquant import turbo_dequantize, turbo_quantize
 
 from .base import Compressor, LayeredKV, PrefixKV
