@@ -155,9 +155,11 @@ def test_cold_then_warm(env, backend, request, caplog):
     tm = warm.timings
     assert warm.bytes_full == env.full_bytes and 0 < warm.bytes_compressed < env.full_bytes / 3
     assert tm.full_arrived_s > 0.6 * FULL_SECONDS, "the bandwidth limit did not apply"
-    # compressed first: drafting started before the full copy was in, and round 1 kept drafting meanwhile
+    # compressed first: drafting started before the full copy was in, and round 1 kept drafting until it was
+    # (or until k_max); 50 ms covers sampling the last draft between its forward and the arrival check
     assert tm.first_draft_s < tm.full_arrived_s < tm.first_token_s < tm.total_s
-    assert warm.stats.draft_lengths[0] > CFG.draft_k, warm.stats.draft_lengths
+    round1 = warm.stats.draft_lengths[0]
+    assert round1 == CFG.k_max or tm.drafted_until_s > tm.full_arrived_s - 0.05, (round1, tm)
     assert "hit: 1886 prompt tokens (1792 stored)" in caplog.text
 
 

@@ -23,41 +23,22 @@ from dataclasses import dataclass
 
 import torch
 
-from storage_backends import CorruptObject, DualCopyStore, MissingObject, StoreError, StoreUnavailable
+from storage_backends import CorruptObject, MissingObject, StoreError, StoreUnavailable
 from .compressors import CompressedKV, LayeredKV, PrefixKV, get_compressor
 from .engine import VeriCacheEngine
 from .kv_cache import KVCache
+from .remote_cache_config import RemoteCacheConfig
 from .speculative import DecodeConfig, SpecStats, speculative_decode
+from .store_client import StoreClient
 
 logger = logging.getLogger("vericache.remote")
-SCHEMES = ("local", "redis", "rediss", "s3", "nixl")
-
-
-@dataclass
-class RemoteCacheConfig:
-    url: str = "local://"
-    compressor: str = "kivi4"
-    chunk_size: int = 256
-    bandwidth_bytes_per_s: float | None = None  # emulate a slow link (reads)
-    timeout_s: float = 5.0                      # lookup, compressed fetch, and a stalled full stream
-    model_name: str | None = None               # default: the engine's model directory name
-
-    def __post_init__(self):
-        scheme = self.url.split("://", 1)[0].lower() if isinstance(self.url, str) and "://" in self.url else None
-        if scheme not in SCHEMES:
-            raise ValueError(f"bad store URL {self.url!r}: expected {', '.join(s + '://...' for s in SCHEMES)}")
-        if self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be > 0 or None, got {self.bandwidth_bytes_per_s}")
 
 
 @dataclass
 class Timings:
     """Seconds since generate() was called."""
     first_draft_s: float | None = None   # first token drafted on the compressed KV
+    drafted_until_s: float | None = None  # last draft of round 1 (it drafts on until the full copy is in)
     full_arrived_s: float | None = None  # full prefix KV complete (streamed in, or computed here)
     first_token_s: float | None = None   # first verified token
     total_s: float = 0.0
@@ -97,15 +78,21 @@ class _Arrival:
 
 
 class _Clock:
-    """Stands in for the model in speculative_decode; notes when the first draft forward returns."""
+    """Stands in for the model in speculative_decode; notes when the first and the last draft forward of
+    round 1 (the ones before the first verify pass) return."""
 
     def __init__(self, model, draft: KVCache):
-        self.model, self.cfg, self.draft, self.first_draft = model, model.cfg, draft, None
+        self.model, self.cfg, self.draft = model, model.cfg, draft
+        self.first_draft = self.round1_end = None
+        self.verified = False
 
     def __call__(self, ids, positions, cache, **kw):
         out = self.model(ids, positions, cache, **kw)
-        if self.first_draft is None and cache is self.draft:
-            self.first_draft = time.perf_counter()
+        if cache is not self.draft:
+            self.verified = True
+        elif not self.verified:
+            self.round1_end = time.perf_counter()
+            self.first_draft = self.first_draft or self.round1_end
         return out
 
 
@@ -125,21 +112,11 @@ class RemotePrefixCache:
     def __init__(self, engine: VeriCacheEngine, cfg: RemoteCacheConfig):
         self.engine, self.cfg = engine, cfg
         self.compressor = get_compressor(cfg.compressor)
-        name = cfg.model_name or engine.model_name
-        opts = {} if "timeout_s=" in cfg.url else {"timeout_s": cfg.timeout_s}
-        self.store = DualCopyStore(cfg.url, name, engine.model.dtype, cfg.chunk_size,
-                                   cfg.bandwidth_bytes_per_s, **opts)
-        # Every store call runs on this one loop (async clients such as redis are bound to their loop).
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vericache-remote", daemon=True)
-        self._thread.start()
+        self.client = StoreClient(cfg, cfg.model_name or engine.model_name, engine.model.dtype, "vericache-remote")
+        self.store = self.client.store
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                self._call(self.store.close(), self.cfg.timeout_s)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+        self.client.close()
 
     def __enter__(self) -> "RemotePrefixCache":
         return self
@@ -253,7 +230,7 @@ class RemotePrefixCache:
         clock, marks = _Clock(self.engine.model, draft), []
         outs, stats = speculative_decode(clock, full, draft, first, decode, arrival=arrival,
                                          on_tokens=lambda n: marks or marks.append(time.perf_counter()))
-        return RemoteResult(outs[0], path, stats, Timings(_since(clock.first_draft, t0),
+        return RemoteResult(outs[0], path, stats, Timings(_since(clock.first_draft, t0), _since(clock.round1_end, t0),
                                                           first_token_s=_since(marks[0] if marks else None, t0)))
 
     @staticmethod
@@ -275,15 +252,10 @@ class RemotePrefixCache:
 
     # ---- store side (runs on the loop thread) ----------------------------------------------------
     def _submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self.client.submit(coro)
 
     def _call(self, coro, timeout: float):
-        fut = self._submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise StoreUnavailable(f"{self.cfg.url}: no answer within {timeout}s") from None
+        return self.client.call(coro, timeout)
 
     async def _lookup(self, prefix):
         return await asyncio.gather(self.store.lookup(prefix), self.store.has_compressed(prefix, self.compressor.spec))
