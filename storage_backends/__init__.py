@@ -10,6 +10,7 @@ from .base import (
     StoreError,
     StoreUnavailable,
     open_backend,
+    redact_url,
 )
 from .dual_store import DualCopyStore, PutResult
 from .keys import FULL, ChunkKey, KeySpace, chain_hashes, dtype_str
@@ -21,5 +22,5 @@ __all__ = [
     "BackendOptions", "ChunkKey", "CorruptObject", "DualCopyStore", "FULL", "KeySpace",
     "LayerEntry", "Manifest", "MissingObject", "PutResult", "StorageBackend", "StoreError",
     "StoreUnavailable", "ThrottledBackend", "TokenBucket", "chain_hashes", "checksum",
-    "deserialize", "dtype_str", "open_backend", "read_header", "serialize",
+    "deserialize", "dtype_str", "open_backend", "read_header", "redact_url", "serialize",
 ]

@@ -109,6 +109,15 @@ def pop_float(opts: dict, name: str, default: float) -> float:
     return value
 
 
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, for logs (redis://:secret@host -> redis://:***@host)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+
+
 def open_backend(url: str, **opts) -> StorageBackend:
     """Open the backend named by url's scheme.
 

@@ -7,6 +7,7 @@ from typing import Iterable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from .base import (
+    redact_url,
     BackendOptions,
     StorageBackend,
     StoreError,
@@ -38,7 +39,7 @@ class RedisBackend(StorageBackend):
         self.max_connections = int(opts.pop("max_connections", 32))
         if opts:
             raise ValueError(f"unknown options {sorted(opts)} for store URL {url!r}")
-        self.url = url
+        self.url = redact_url(url)  # for messages and logs; the client gets the real one
         self._client_url = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
         self._client = None
 

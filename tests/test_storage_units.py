@@ -203,3 +203,11 @@ def test_open_backend_imports_no_client_at_import_time():
 def test_event_loop_is_not_required_for_construction():
     b = open_backend("redis://127.0.0.1:1/0")  # nothing connects until used
     assert asyncio.run(b.close()) is None
+
+
+def test_redact_url_hides_passwords_only():
+    from storage_backends import redact_url
+    assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redact_url("rediss://app:s3cret@h:1/2?prefix=a") == "rediss://app:***@h:1/2?prefix=a"
+    for url in ("redis://h:6379/0", "local:///tmp/kv", "s3://b/p?endpoint_url=http://127.0.0.1:9000"):
+        assert redact_url(url) == url

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from storage_backends import DualCopyStore, StoreUnavailable
+from storage_backends import DualCopyStore, StoreUnavailable, redact_url
 
 from .remote_cache_config import RemoteCacheConfig
 
@@ -37,7 +37,7 @@ class StoreClient:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise StoreUnavailable(f"{self.cfg.url}: no answer within {timeout}s") from None
+            raise StoreUnavailable(f"{redact_url(self.cfg.url)}: no answer within {timeout}s") from None
 
     def close(self) -> None:
         if self._thread.is_alive():

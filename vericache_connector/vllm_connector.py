@@ -32,6 +32,8 @@ from vllm.logger import init_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
+from storage_backends import redact_url
+
 from .compressors import LayeredKV, PrefixKV, get_compressor
 from .store_client import StoreClient
 from .vllm_config import load_connector_config
@@ -99,7 +101,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self._done_loading: set[str] = set()
         self._failed_blocks: set[int] = set()
-        logger.info("VeriCacheConnector (%s): store %s, compressor %s, chunk %d", role.name, self.cfg.url,
+        logger.info("VeriCacheConnector (%s): store %s, compressor %s, chunk %d", role.name, redact_url(self.cfg.url),
                     self.cfg.compressor, self.cfg.chunk_size)
 
     # ============================== scheduler side ==============================
