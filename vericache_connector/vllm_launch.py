@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 PROPOSER = "vericache_connector.vllm_proposer.CompressedKVProposer"
 
 
-def kv_transfer_config(store: str, compressor: str = "kivi4", multi: bool = False) -> dict:
-    """--kv-transfer-config for the connector; multi=True nests it in vLLM's MultiConnector."""
+def kv_transfer_config(store: str, compressor: str = "kivi4", multi: bool = False, **extra) -> dict:
+    """--kv-transfer-config for the connector (extra: more kv_connector_extra_config keys, see
+    vllm_config.py); multi=True nests it in vLLM's MultiConnector."""
     ours = {"kv_connector": "VeriCacheConnector", "kv_connector_module_path": "vericache_connector.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "compressor": compressor}}
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "compressor": compressor, **extra}}
     if not multi:
         return ours
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
@@ -40,6 +41,7 @@ class ServerConfig:
     compressor: str = "kivi4"
     spec_k: int = 0                   # > 0: the compressed-KV proposer drafts this many tokens
     multi: bool = False               # the connector inside MultiConnector
+    bandwidth_bytes_per_s: float | None = None  # emulated store read bandwidth
     dtype: str = "float32"
     max_model_len: int = 2048
     kv_space_gib: int = 1             # VLLM_CPU_KVCACHE_SPACE
@@ -52,7 +54,9 @@ class ServerConfig:
                "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype, "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--no-enable-prefix-caching", "--seed", str(self.seed)]
         if self.store is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.store, self.compressor, self.multi))]
+            extra = {} if self.bandwidth_bytes_per_s is None else {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s}
+            cfg = kv_transfer_config(self.store, self.compressor, self.multi, **extra)
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
         if self.spec_k > 0:
             cmd += ["--speculative-config",
                     json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.spec_k})]

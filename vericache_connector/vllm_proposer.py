@@ -106,8 +106,8 @@ class CompressedKVProposer:
     def load_model(self, *args, **kwargs) -> None:
         """Called by vLLM's model runner; our draft forward runs our own model over the same weights."""
         if self.model is None:
-            from .engine import VeriCacheEngine
-            self.model = VeriCacheEngine.from_pretrained(self.model_dir, dtype=torch.float32).model
+            from .model import load_model
+            self.model = load_model(self.model_dir)  # float32 on CPU, bf16 on CUDA
             logger.info("VeriCache proposer: draft model loaded from %s, k=%d", self.model_dir, self.k)
 
     # ---- called by the connector (worker thread) -------------------------------------------------------

@@ -1,0 +1,133 @@
+"""vLLM's OpenAI server with and without the VeriCache connector, side by side in one run.
+
+Three servers on 127.0.0.1, one after the other, on the same prompts (bundled real texts):
+  base        plain vLLM (prefix caching off: every request computes its prompt)
+  connector   --kv-transfer-config VeriCacheConnector: cold requests save both copies, warm ones load the full copy
+  vericache   connector + CompressedKVProposer: warm requests draft on the compressed copy while the full
+              copy loads, and vLLM verifies every draft
+Per request: time to first token (streamed) and end-to-end latency; the warm/base ratios; whether the
+token ids equal the base server's (greedy). Results land in results/vllm_serve/<timestamp>/.
+
+    python benchmarks/vllm_serve.py --prompts 3 --tokens 1800 --new 32 --spec-k 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=3, help="bundled prompts to use (1-5)")
+    p.add_argument("--tokens", type=int, default=1800, help="cut each prompt to this many tokens")
+    p.add_argument("--new", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--spec-k", type=int, default=8, help="drafts per step of the compressed-KV proposer")
+    p.add_argument("--compressor", default="kivi4")
+    p.add_argument("--gbits", type=float, default=None, help="emulated store read bandwidth, Gbit/s")
+    p.add_argument("--model", default=None, help="HF model directory (default: the bundled SmolLM2-135M)")
+    p.add_argument("--out", default="results/vllm_serve")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    a = p.parse_args(argv)
+    if not 1 <= a.prompts <= 5 or a.tokens < 300 or a.new < 1 or a.spec_k < 1:
+        p.error(f"bad sizes: --prompts {a.prompts} (1-5), --tokens {a.tokens} (>= 300), --new {a.new}, "
+                f"--spec-k {a.spec_k}")
+    return a
+
+
+def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
+    from vericache_connector.vllm_launch import VLLMServer
+    out = {}
+    with VLLMServer(cfg) as srv:
+        srv.complete(list(range(1000, 1064)), 4)  # warm-up: first-request overheads out of the timings
+        for phase in phases:
+            for name, ids in prompts.items():
+                c = srv.complete(ids, new)
+                out[(phase, name)] = {"ttft_s": c.ttft_s, "total_s": c.total_s, "tokens": c.token_ids}
+                bar.update(1)
+        spec = [ln.split("SpecDecoding metrics: ")[1] for ln in srv.log().splitlines() if "SpecDecoding metrics" in ln]
+    out["spec_log"] = spec
+    return out
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    args = parse_args(argv)
+    from vericache_connector.engine import VeriCacheEngine
+    from vericache_connector.model_loader import resolve_model_dir
+    from vericache_connector.prompts import load_prompts
+    from vericache_connector.vllm_launch import ServerConfig
+
+    model = str(resolve_model_dir(args.model))
+    tok = VeriCacheEngine.from_pretrained(model)  # for its tokenizer
+    prompts = {n: tok.encode(t)[:args.tokens] for n, t in list(load_prompts().items())[:args.prompts]}
+    bw = None if args.gbits is None else args.gbits * 1e9 / 8
+    store_dir = tempfile.mkdtemp(prefix="vericache-bench-kv-")
+    n = len(prompts)
+    with tqdm(total=5 * n, desc="vllm serve", unit="req") as bar:
+        base = serve(ServerConfig(model, max_model_len=args.tokens + args.new + 64), prompts, args.new, ["base"], bar)
+        runs = {}
+        for label, k in (("connector", 0), ("vericache", args.spec_k)):
+            cfg = ServerConfig(model, store=f"local://{store_dir}/{label}", compressor=args.compressor, spec_k=k,
+                               max_model_len=args.tokens + args.new + 64, bandwidth_bytes_per_s=bw)
+            runs[label] = serve(cfg, prompts, args.new, ["cold", "warm"], bar)
+    rows = []
+    for name in prompts:
+        b = base[("base", name)]
+        row = {"prompt": name, "tokens": len(prompts[name]), "base_ttft_s": b["ttft_s"], "base_total_s": b["total_s"]}
+        for label, r in runs.items():
+            for phase in ("cold", "warm"):
+                x = r[(phase, name)]
+                row[f"{label}_{phase}_ttft_s"], row[f"{label}_{phase}_total_s"] = x["ttft_s"], x["total_s"]
+                row[f"{label}_{phase}_identical"] = x["tokens"] == b["tokens"]
+            row[f"{label}_warm_ttft_ratio"] = row[f"{label}_warm_ttft_s"] / b["ttft_s"]
+            row[f"{label}_warm_total_ratio"] = row[f"{label}_warm_total_s"] / b["total_s"]
+        rows.append(row)
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": shlex.join([sys.executable, *sys.argv]), "args": vars(args), "rows": rows,
+              "spec_decoding_log": runs["vericache"]["spec_log"]}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "command.txt").write_text(result["command"] + "\n")
+    table = ["| prompt | tokens | base TTFT / e2e s | connector warm TTFT / e2e s (ratio) | vericache warm "
+             "TTFT / e2e s (ratio) | identical (cold, warm) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ident = all(r[f"{lb}_{ph}_identical"] for lb in runs for ph in ("cold", "warm"))
+        table.append(f"| {r['prompt']} | {r['tokens']} | {r['base_ttft_s']:.2f} / {r['base_total_s']:.2f} | "
+                     f"{r['connector_warm_ttft_s']:.2f} / {r['connector_warm_total_s']:.2f} "
+                     f"({r['connector_warm_ttft_ratio']:.2f}, {r['connector_warm_total_ratio']:.2f}) | "
+                     f"{r['vericache_warm_ttft_s']:.2f} / {r['vericache_warm_total_s']:.2f} "
+                     f"({r['vericache_warm_ttft_ratio']:.2f}, {r['vericache_warm_total_ratio']:.2f}) | "
+                     f"{'yes' if ident else 'NO'} |")
+    (out / "table.md").write_text("\n".join(table) + "\n")
+    plot(rows, out / "latency.png")
+    print(json.dumps(result) if args.json else "\n".join(table) + f"\n\nresults: {out}")
+    return 0 if all(r[k] for r in rows for k in r if k.endswith("_identical")) else 1
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series = [("base", "base"), ("connector cold", "connector_cold"), ("connector warm", "connector_warm"),
+              ("vericache cold", "vericache_cold"), ("vericache warm", "vericache_warm")]
+    width = 0.8 / len(series)
+    for ax, metric, title in ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "total_s", "end to end (s)")):
+        for i, (label, key) in enumerate(series):
+            ax.bar([j + i * width for j in range(len(rows))], [r[f"{key}_{metric}"] for r in rows], width, label=label)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["prompt"] for r in rows], fontsize=8)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
