@@ -335,7 +335,8 @@ def test_logging_config_prints_the_connectors_lines(name):
 
 
 def test_pods_draft_with_the_compressed_kv_proposer():
-    """Every vLLM container runs the compressed-first proposer, named by an importable class."""
+    """Every vLLM container runs the compressed-first proposer, named by an importable class, and
+    recomputes on a failed load."""
     import importlib
 
     seen = 0
@@ -346,6 +347,8 @@ def test_pods_draft_with_the_compressed_kv_proposer():
             argv = c.get("command", []) + c.get("args", [])
             if "--kv-transfer-config" not in argv:
                 continue
+            # a store fault during a load must recompute, not fail the request (vLLM's default is "fail")
+            assert json.loads(kv_transfer_config(argv))["kv_load_failure_policy"] == "recompute"
             spec = json.loads(argv[argv.index("--speculative-config") + 1])
             assert spec["method"] == "custom_class" and spec["num_speculative_tokens"] >= 1
             module, name = spec["model"].rsplit(".", 1)

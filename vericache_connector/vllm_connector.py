@@ -56,6 +56,7 @@ class SaveSpec:
     req_id: str
     prefix: list[int]
     block_ids: list[int]
+    overwrite: bool = False  # a load of this prefix failed: rewrite the full copy
 
 
 @dataclass
@@ -69,6 +70,7 @@ class _Pending:  # scheduler side: a request whose prompt is not yet saved
     prompt: list[int]
     stored: int
     block_ids: list[int]
+    overwrite: bool = False
 
 
 class VeriCacheConnector(KVConnectorBase_V1):
@@ -76,6 +78,10 @@ class VeriCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.cfg = load_connector_config(tc.kv_connector_extra_config)
+        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and role == KVConnectorRole.SCHEDULER:
+            logger.warning("kv_load_failure_policy is %r: a store fault during a load fails the request; set "
+                           "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to recompute instead",
+                           tc.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
         if self.cfg.chunk_size % self.block_size:
             raise ValueError(f"chunk_size {self.cfg.chunk_size} must be a multiple of vLLM's block size "
@@ -96,6 +102,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._pending: dict[str, _Pending] = {}
         self._loaded: set[str] = set()              # loaded requests are not saved again
+        self._repair: set[str] = set()              # their load failed: save (overwrite) after computing
         # worker side
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = threading.Lock()
@@ -109,6 +116,10 @@ class VeriCacheConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         stored = (len(prompt) - 1) // self.cfg.chunk_size * self.cfg.chunk_size
         if stored <= num_computed_tokens:
+            return 0, False
+        if request.request_id in self._loaded:  # asked again: its load failed; compute, then rewrite
+            self._loaded.discard(request.request_id)
+            self._repair.add(request.request_id)
             return 0, False
         try:
             found = self.client.call(self.store.lookup(prompt[:stored]))
@@ -132,7 +143,8 @@ class VeriCacheConnector(KVConnectorBase_V1):
             return
         stored = (len(prompt) - 1) // self.cfg.chunk_size * self.cfg.chunk_size
         if stored > 0 and rid not in self._pending and rid not in self._loaded:
-            self._pending[rid] = _Pending(prompt, stored, [])
+            self._pending[rid] = _Pending(prompt, stored, [], overwrite=rid in self._repair)
+            self._repair.discard(rid)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = VeriCacheMetadata(loads=list(self._loads.values()))
@@ -153,7 +165,8 @@ class VeriCacheConnector(KVConnectorBase_V1):
             if new_blocks:
                 p.block_ids.extend(new_blocks)
             if computed + scheduler_output.num_scheduled_tokens.get(rid, 0) >= p.stored:
-                meta.saves.append(SaveSpec(rid, p.prompt[:p.stored], p.block_ids[:p.stored // self.block_size]))
+                meta.saves.append(SaveSpec(rid, p.prompt[:p.stored], p.block_ids[:p.stored // self.block_size],
+                                           p.overwrite))
                 del self._pending[rid]
         return meta
 
@@ -161,6 +174,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         for d in (self._pending, self._lookups):
             d.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
+        self._repair.discard(request.request_id)
         return False, None
 
     # ============================== worker side ==============================
@@ -217,10 +231,12 @@ class VeriCacheConnector(KVConnectorBase_V1):
         BOARD.post(spec.prefix, comp)
         layers = [{"k": k, "v": v} for k, v in zip(keys, values)]
         try:
-            res = self.client.call(self.store.put_prefix(spec.prefix, layers, {comp.spec: comp.to_payload()}),
+            res = self.client.call(self.store.put_prefix(spec.prefix, layers, {comp.spec: comp.to_payload()},
+                                                         overwrite=spec.overwrite),
                                    timeout=max(30.0, self.cfg.timeout_s))
-            logger.info("saved %s: %d tokens, %d new full chunks, %d compressed bytes in %.2fs", spec.req_id,
-                        len(spec.prefix), res.full_chunks_written, sum(res.compressed_bytes.values()),
+            logger.info("saved %s: %d tokens, %d %sfull chunks, %d compressed bytes in %.2fs", spec.req_id,
+                        len(spec.prefix), res.full_chunks_written, "rewritten " if spec.overwrite else "new ",
+                        sum(res.compressed_bytes.values()),
                         time.perf_counter() - t0)
         except Exception as e:  # the request is answered anyway; the next one recomputes
             logger.warning("save of %s failed (%s: %s)", spec.req_id, type(e).__name__, e)

@@ -27,10 +27,11 @@ def kv_transfer_config(store: str, compressor: str = "kivi4", multi: bool = Fals
     """--kv-transfer-config for the connector (extra: more kv_connector_extra_config keys, see
     vllm_config.py); multi=True nests it in vLLM's MultiConnector."""
     ours = {"kv_connector": "VeriCacheConnector", "kv_connector_module_path": "vericache_connector.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "compressor": compressor, **extra}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": store, "compressor": compressor, **extra}}
     if not multi:
         return ours
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": [ours]}}
 
 

