@@ -120,9 +120,9 @@ def build_cases(torch, K, device, small: bool, quick: bool):
                 def turbo(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, Lq=Lq, Lt=Lt, dt=dt, bits=bits):
                     q = rnd(*B, Hq, Lq, D, dtype=dt)
                     kp = K.turbo_quantize(rnd(*B, Hkv, T, D), bits, seed=3)
-                    vp = K.turbo_quantize(rnd(*B, Hkv, T, D), bits, seed=3)
+                    vp = K.turbo_quantize(rnd(*B, Hkv, T, D), bits, seed=4)     # values: own rotation
                     kt, vt = rnd(*B, Hkv, Lt, D, dtype=dt), rnd(*B, Hkv, Lt, D, dtype=dt)
-                    kw = dict(bits=bits, seed=3, k_tail=kt, v_tail=vt)
+                    kw = dict(bits=bits, seed=3, v_seed=4, k_tail=kt, v_tail=vt)
                     return (lambda: K.turbo_decode_attention(q, *kp, *vp, backend="triton", **kw),
                             lambda: K.turbo_decode_attention(q, *kp, *vp, backend="ref", **kw),
                             _tensor_bytes(q, *kp, *vp, kt, vt, q))

@@ -11,6 +11,9 @@ SmolLM2-135M shapes: 30 layers, Hq 9, Hkv 3, head_dim 64, one new query token (L
   drop4x    token-dropped cache, T/4 kept positions per KV head gathered from the full fp32 K/V
             each step, through kernels.gathered_attention
   drop4x_c  the same 4x token-dropped cache stored compacted (dense T/4 K/V), verify_attention
+  full_fused / full_f16 / drop4x_f16   the engine's CPU draft path, kernels.cache_attention (the fused
+            CPU flash kernel, GQA rows stacked) over the full K/V in float32 / float16, and over the
+            compacted 4x token-dropped K/V in float16
 Each step calls the op once per layer. Layers get distinct cache tensors (cycled when 30 copies
 would exceed --mem-mb per variant) so caches do not sit in L3 between layers. Variants are timed
 round-robin (fair under background load). Reported: median step time over --steps steps after one
@@ -77,6 +80,10 @@ def make_variant(name: str, b: int, t: int, g: torch.Generator):
             idx = torch.rand(b, HKV, t, generator=g).argsort(-1)[..., : t // 4].sort(-1).values
             return rnd(b, HKV, t, D), rnd(b, HKV, t, D), idx
         return mk, lambda q, s: K.gathered_attention(q, *s)
+    if name in ("full_fused", "full_f16", "drop4x_f16"):
+        dt, n = (torch.float32, t) if name == "full_fused" else (torch.float16, t // 4 if name[0] == "d" else t)
+        return (lambda: (rnd(b, HKV, n, D).to(dt), rnd(b, HKV, n, D).to(dt)),
+                lambda q, s: K.cache_attention(q, *s))
     if name == "drop4x_c":
         return (lambda: (rnd(b, HKV, t // 4, D), rnd(b, HKV, t // 4, D)),
                 lambda q, s: K.verify_attention(q, *s))
@@ -123,7 +130,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--variants", nargs="+", default=["full", "kivi4", "kivi2", "turbo4", "drop4x", "drop4x_c"])
+    ap.add_argument("--variants", nargs="+", default=["full", "kivi4", "kivi2", "turbo4", "drop4x", "drop4x_c",
+                                                      "full_fused", "full_f16", "drop4x_f16"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (shared machine: keep low)")
     ap.add_argument("--mem-mb", type=int, default=256, help="cache memory per variant before cycling layers")

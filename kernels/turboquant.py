@@ -111,23 +111,25 @@ def turbo_dequantize(packed, norms, bits: int, seed: int = 0, dtype=torch.float3
 
 
 def turbo_decode_attention_ref(q, k_packed, k_norm, v_packed, v_norm, *, bits: int,
-                               v_bits: int | None = None, seed: int = 0, k_tail=None, v_tail=None,
-                               sm_scale: float | None = None) -> torch.Tensor:
+                               v_bits: int | None = None, seed: int = 0, v_seed: int | None = None,
+                               k_tail=None, v_tail=None, sm_scale: float | None = None) -> torch.Tensor:
     """Reference, in the rotated domain: since R is orthogonal, q.k_hat = (q R^T).(norm c[code]) and
     sum_j p_j v_hat_j = (sum_j p_j norm_j c[code_j]) R, so rotate q and the tail by R^T, attend over
     norm * c[code] (decoded block by block, attention_ref_streamed) and rotate the output back by
     R. Equal up to fp32 rounding to dequantize-then-attend, without the T x D x D rotation of
-    every cached row."""
+    every cached row. Keys use R(seed), values R(v_seed) (default: seed): q and the tail keys are
+    rotated by the first, the tail values and the output by the second."""
     v_bits = bits if v_bits is None else v_bits
+    v_seed = seed if v_seed is None else v_seed
     had, q4, (kp, kn, vp, vn, kt, vt) = batched(q, k_packed, k_norm, v_packed, v_norm, k_tail, v_tail)
     b, hkv, t, _ = kp.shape
     if vp.shape[:3] != kp.shape[:3]:
         raise ValueError(f"k_packed {tuple(kp.shape)} and v_packed {tuple(vp.shape)} differ in [B, Hkv, T]")
     d = q4.shape[-1]
-    rot = turbo_rotation(d, seed, q.device)
+    rot, v_rot = turbo_rotation(d, seed, q.device), turbo_rotation(d, v_seed, q.device)
 
-    def rotate(x):
-        return None if x is None else x.float() @ rot.T
+    def rotate(x, r=rot):
+        return None if x is None else x.float() @ r.T
 
     def load_k(s, e):
         return turbo_dequantize_rotated(kp[..., s:e, :], kn[..., s:e], bits)
@@ -136,17 +138,20 @@ def turbo_decode_attention_ref(q, k_packed, k_norm, v_packed, v_norm, *, bits: i
         return turbo_dequantize_rotated(vp[..., s:e, :], vn[..., s:e], v_bits)
 
     out = attention_ref_streamed(rotate(q4), hkv, t, load_k, load_v, block_tokens(b, hkv, d, 1),
-                                 rotate(kt), rotate(vt), sm_scale)
-    out = (out @ rot).to(q.dtype)
+                                 rotate(kt), rotate(vt, v_rot), sm_scale)
+    out = (out @ v_rot).to(q.dtype)
     return out if had else out.squeeze(0)
 
 
 def turbo_decode_attention(q, k_packed, k_norm, v_packed, v_norm, *, bits: int,
-                           v_bits: int | None = None, seed: int = 0, k_tail=None, v_tail=None,
-                           sm_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                           v_bits: int | None = None, seed: int = 0, v_seed: int | None = None,
+                           k_tail=None, v_tail=None, sm_scale: float | None = None,
+                           backend: str = "auto") -> torch.Tensor:
     """Attention of q [B?, Hq, Lq, D] over TurboQuant-coded K/V [B?, Hkv, T, D*bits/8] (+ norms
-    [B?, Hkv, T]) and an optional full-precision tail; K and V share `seed`. -> [B?, Hq, Lq, D]."""
+    [B?, Hkv, T]) and an optional full-precision tail; keys were coded with `seed`, values with
+    `v_seed` (default: the same seed). -> [B?, Hq, Lq, D]."""
     v_bits = bits if v_bits is None else v_bits
+    v_seed = seed if v_seed is None else v_seed
     _check_bits(bits)
     _check_bits(v_bits)
     d = q.shape[-1]
@@ -157,15 +162,16 @@ def turbo_decode_attention(q, k_packed, k_norm, v_packed, v_norm, *, bits: int,
         from ._attn_triton import triton_supports, turbo_attention_triton
 
         if triton_supports(d, bits, v_bits):
-            rot = turbo_rotation(d, seed, q.device)
-            # rotate q and the tail into the code domain, attend, rotate the output back
-            def rotate(x):
-                return None if x is None else (x.float() @ rot.T).to(x.dtype)
+            rot, v_rot = turbo_rotation(d, seed, q.device), turbo_rotation(d, v_seed, q.device)
+            # rotate q and the tail into the code domains, attend, rotate the output back
+            def rotate(x, r=rot):
+                return None if x is None else (x.float() @ r.T).to(x.dtype)
 
             out = turbo_attention_triton(rotate(q), k_packed, k_norm, v_packed, v_norm,
                                          turbo_codebook(bits, d, q.device),
                                          turbo_codebook(v_bits, d, q.device), bits=bits, v_bits=v_bits,
-                                         k_tail=rotate(k_tail), v_tail=rotate(v_tail), sm_scale=sm_scale)
-            return (out.float() @ rot).to(q.dtype)
+                                         k_tail=rotate(k_tail), v_tail=rotate(v_tail, v_rot), sm_scale=sm_scale)
+            return (out.float() @ v_rot).to(q.dtype)
     return turbo_decode_attention_ref(q, k_packed, k_norm, v_packed, v_norm, bits=bits, v_bits=v_bits,
-                                      seed=seed, k_tail=k_tail, v_tail=v_tail, sm_scale=sm_scale)
+                                      seed=seed, v_seed=v_seed, k_tail=k_tail, v_tail=v_tail,
+                                      sm_scale=sm_scale)

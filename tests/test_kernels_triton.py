@@ -102,8 +102,8 @@ def test_cuda_attention_ops(t, lq, dtype, d):
         kw = dict(bits=bits, v_bits=vbits, k_group=32, v_group=32, k_tail=kt, v_tail=vt)
         _close(K.kivi_decode_attention(q, *kp, *vp, backend="triton", **kw),
                K.kivi_decode_attention(q, *kp, *vp, backend="ref", **kw), dtype)
-        tk, tv = K.turbo_quantize(k, bits, seed=1), K.turbo_quantize(v, vbits, seed=1)
-        kw = dict(bits=bits, v_bits=vbits, seed=1, k_tail=kt, v_tail=vt)
+        tk, tv = K.turbo_quantize(k, bits, seed=1), K.turbo_quantize(v, vbits, seed=2)
+        kw = dict(bits=bits, v_bits=vbits, seed=1, v_seed=2, k_tail=kt, v_tail=vt)
         _close(K.turbo_decode_attention(q, *tk, *tv, backend="triton", **kw),
                K.turbo_decode_attention(q, *tk, *tv, backend="ref", **kw), dtype)
 

@@ -82,18 +82,20 @@ def test_zero_vector_and_errors():
         turbo_dequantize(packed, norms[:1], 2)
 
 
-@pytest.mark.parametrize("t,lq,lt", [(63, 1, 0), (500, 3, 7)])
-def test_turbo_decode_attention(t, lq, lt, monkeypatch):
+@pytest.mark.parametrize("t,lq,lt,v_seed", [(63, 1, 0, None), (500, 3, 7, None), (500, 3, 7, 10)])
+def test_turbo_decode_attention(t, lq, lt, v_seed, monkeypatch):
+    """v_seed: values coded with their own rotation (the compressor uses seed + 1 for values)."""
     import kernels.turboquant
     monkeypatch.setattr(kernels.turboquant, "block_tokens", lambda *a: 50)   # several blocks
     g = torch.Generator().manual_seed(t)
     hq, hkv, d, bits = 6, 2, 64, 4
+    vs = 9 if v_seed is None else v_seed
     k, v = torch.randn(hkv, t, d, generator=g), torch.randn(hkv, t, d, generator=g)
-    kp, vp = turbo_quantize(k, bits, seed=9), turbo_quantize(v, bits, seed=9)
+    kp, vp = turbo_quantize(k, bits, seed=9), turbo_quantize(v, bits, seed=vs)
     kt, vt = torch.randn(hkv, lt, d, generator=g), torch.randn(hkv, lt, d, generator=g)
     q = torch.randn(hq, lq, d, generator=g)
-    out = turbo_decode_attention(q, *kp, *vp, bits=bits, seed=9, k_tail=kt, v_tail=vt)
-    kd, vd = turbo_dequantize(*kp, bits, seed=9), turbo_dequantize(*vp, bits, seed=9)
+    out = turbo_decode_attention(q, *kp, *vp, bits=bits, seed=9, v_seed=v_seed, k_tail=kt, v_tail=vt)
+    kd, vd = turbo_dequantize(*kp, bits, seed=9), turbo_dequantize(*vp, bits, seed=vs)
     kk = torch.cat([kd, kt], 1).double().repeat_interleave(3, 0)
     vv = torch.cat([vd, vt], 1).double().repeat_interleave(3, 0)
     mask = torch.ones(lq, t + lt, dtype=torch.bool)

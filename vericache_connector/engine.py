@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .compressors import CompressedKV, PrefixKV
+from .draft_cache import DraftConfig, PackedDraftCache, make_draft_cache
 from .kv_cache import KVCache
 from .model import CausalLM, load_model
 from .model_loader import resolve_model_dir
@@ -36,18 +37,20 @@ class Prefill:
 
 
 class VeriCacheEngine:
-    def __init__(self, model: CausalLM, tokenizer=None, obs_window: int = 32, model_name: str = "model"):
+    def __init__(self, model: CausalLM, tokenizer=None, obs_window: int = 32, model_name: str = "model",
+                 draft: DraftConfig | None = None):
         self.model, self.tokenizer, self.obs_window = model, tokenizer, obs_window
         self.model_name = model_name   # names the model in store keys
+        self.draft = draft or DraftConfig()   # how draft caches hold and attend the compressed prefix
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, dtype: torch.dtype | None = None,
-                        device: str | None = None) -> "VeriCacheEngine":
+                        device: str | None = None, draft: DraftConfig | None = None) -> "VeriCacheEngine":
         from transformers import AutoTokenizer
 
         path = resolve_model_dir(model)
         return cls(load_model(path, dtype=dtype, device=device), AutoTokenizer.from_pretrained(path),
-                   model_name=path.name)
+                   model_name=path.name, draft=draft)
 
     @property
     def max_context(self) -> int:
@@ -85,13 +88,13 @@ class VeriCacheEngine:
             cache.load_row(row, p.prefix.keys, p.prefix.values)
         return cache
 
-    def draft_cache(self, compressed: list[CompressedKV], extra: int) -> KVCache:
-        """Materialize each row's compressed prefix (dequantized / kept positions) as attendable KV."""
-        rows = [[c.layer_kv(layer, self.model.dtype) for layer in range(c.num_layers)] for c in compressed]
-        cache = self.model.new_cache(len(rows), max(r[0][0].shape[1] for r in rows) + extra)
-        for row, layers in enumerate(rows):
-            cache.load_row(row, [k for k, _ in layers], [v for _, v in layers])
-        return cache
+    def draft_cache(self, compressed: list[CompressedKV], extra: int,
+                    config: DraftConfig | None = None) -> KVCache | PackedDraftCache:
+        """The cache drafts attend over, one compressed prefix per row, room for `extra` new entries.
+        config (default self.draft) picks the layout: the compressed prefix kept compact (packed codes
+        for the Triton kernels on CUDA, float16 through the fused CPU kernel on the CPU) or
+        "materialized" into a plain KVCache in the model's dtype (see draft_cache.py)."""
+        return make_draft_cache(self.model, compressed, extra, config or self.draft)
 
     def first_tokens(self, prefills: list[Prefill], cfg: DecodeConfig) -> Tensor:
         return sample(torch.stack([p.logits for p in prefills]), cfg.temperature, cfg.generator())[0]

@@ -7,6 +7,7 @@ Rolling back after a rejected draft is only setting `lengths` (the stale entries
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
@@ -67,6 +68,17 @@ class KVCache:
         j = torch.arange(end, device=self.lengths.device)
         limit = self.lengths[:, None] + torch.arange(1, q + 1, device=self.lengths.device)[None]  # [B, q]
         return (j[None, None, :] < limit[:, :, None])[:, None]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write the new k/v [B, H_kv, q, D] and attend the queries q [B, H, q, D] over each row's
+        entries (causal among the new ones; a first batch-1 write is a causal prefill)."""
+        lq = q.shape[2]
+        prefill = self.batch == 1 and int(self.lengths[0]) == 0
+        mask = None if prefill else self.mask(lq)
+        self.write(layer, k, v)
+        k_all, v_all = self.view(layer, lq)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=prefill,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
     def advance(self, q: int) -> None:
         self.lengths += q

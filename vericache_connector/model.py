@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 
 from .kv_cache import KVCache
 from .model_loader import check_model_dir
+
+if TYPE_CHECKING:
+    from .draft_cache import PackedDraftCache
 
 Tensor = torch.Tensor
 
@@ -113,7 +117,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | PackedDraftCache, layer: int,
                 obs: list | None, obs_window: int) -> Tensor:
         b, q, _ = x.shape
         qs = self.q_proj(x).view(b, q, self.h, self.d).transpose(1, 2)
@@ -124,12 +128,7 @@ class Attention(nn.Module):
         qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
         if obs is not None:
             obs.append(qs[:, :, -obs_window:].detach().clone())
-        prefill = b == 1 and int(cache.lengths[0]) == 0
-        mask = None if prefill else cache.mask(q)
-        cache.write(layer, ks, vs)
-        k_all, v_all = cache.view(layer, q)
-        out = F.scaled_dot_product_attention(qs, k_all, v_all, attn_mask=mask, is_causal=prefill,
-                                             enable_gqa=self.h != self.hk)
+        out = cache.attend(layer, qs, ks, vs)      # KVCache: SDPA; draft caches: the kernels' ops
         return self.o_proj(out.transpose(1, 2).reshape(b, q, self.h * self.d))
 
 
@@ -154,7 +153,8 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM. `forward` runs q new tokens per row against a KVCache and returns logits."""
+    """Decoder-only LM. `forward` runs q new tokens per row against a KVCache (or a draft cache from
+    draft_cache.py: anything with lengths / attend / advance) and returns logits."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -178,8 +178,8 @@ class CausalLM(nn.Module):
         return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, obs_window: int = 0,
-                last_only: bool = False) -> tuple[Tensor, list[Tensor] | None]:
+    def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache | PackedDraftCache,
+                obs_window: int = 0, last_only: bool = False) -> tuple[Tensor, list[Tensor] | None]:
         """input_ids/positions [B, q]; writes KV, advances cache.lengths by q.
         Returns logits [B, q, V] (float32; only the last position if last_only) and, when obs_window>0,
         the last obs_window post-RoPE queries of every layer ([B, H, W, D] each)."""

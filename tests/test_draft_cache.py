@@ -1,0 +1,204 @@
+"""Draft caches (vericache_connector/draft_cache.py): the compact layouts give the materialized draft's
+logits (within their dtype's rounding) through forwards, rollbacks and copies, batched with ragged and
+shared rows, and VeriCache on them still reproduces full-KV greedy decoding token for token."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels._dispatch import triton_available
+from vericache_connector.compressors import get_compressor
+from vericache_connector.draft_cache import (DenseDraftCache, DraftConfig, PackedDraftCache, make_draft_cache)
+from vericache_connector.engine import VeriCacheEngine
+from vericache_connector.kv_cache import KVCache
+from vericache_connector.model import CausalLM, ModelConfig
+from vericache_connector.speculative import DecodeConfig, speculative_decode
+
+PRESETS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "fp8", "snapkv-4x", "streamingllm-8x", "tova-4x"]
+# (config, relative tolerance on logits vs the materialized draft): float32 math is exact up to
+# summation order; float16/bfloat16 storage rounds K/V (and q) to 11/8 significant bits
+LAYOUTS = {"dense-f32": (DraftConfig("dense", "float32"), 1e-4), "dense-auto": (DraftConfig("dense"), 5e-3),
+           "dense-bf16": (DraftConfig("dense", "bfloat16"), 4e-2),
+           "packed-ref": (DraftConfig("packed", backend="ref"), 1e-4)}
+
+
+def tiny_engine() -> VeriCacheEngine:
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      rope_scaling=None, max_position=4096, tie_word_embeddings=False, attention_bias=False,
+                      qk_norm=False, eos_token_ids=())
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.08)
+    return VeriCacheEngine(model.eval())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    engine = tiny_engine()
+    g = torch.Generator().manual_seed(1)
+    return engine, [engine.prefill(torch.randint(0, 256, (n,), generator=g).tolist()) for n in (300, 451, 517)]
+
+
+def _close(out, ref, rel):
+    err = float((out - ref).abs().max()) / float(ref.abs().max())
+    assert err <= rel, f"logits differ by {err:.2e} of their scale (allowed {rel:.0e})"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_draft_logits_match_materialized(tiny, preset, layout):
+    """Ragged rows (rows 0 and 2 share one compressed object), a 3-token forward, a rollback of a
+    different count per row with exact entries copied in from the full cache, a 1-token forward."""
+    engine, pre = tiny
+    cfg, rel = LAYOUTS[layout]
+    comp = get_compressor(preset)
+    shared = comp.compress(pre[0].prefix)
+    rows = [pre[0], pre[1], pre[0]]
+    compressed = [shared, comp.compress(pre[1].prefix), shared]
+    mat = engine.draft_cache(compressed, 12, DraftConfig("materialized"))
+    draft = engine.draft_cache(compressed, 12, cfg)
+    assert type(mat) is KVCache and type(draft) is not KVCache
+    assert draft.lengths.tolist() == mat.lengths.tolist()
+    full = engine.full_cache(rows, 12)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (3, 3), generator=g)
+    pos = torch.tensor([p.num_tokens for p in rows])[:, None] + torch.arange(3)[None]
+    base_full, base_draft = full.lengths.clone(), mat.lengths.clone()
+    engine.model(ids, pos, full)
+    _close(engine.model(ids, pos, draft)[0], engine.model(ids, pos, mat)[0], rel)
+    keep = torch.tensor([1, 3, 2])                 # speculative_decode's rollback + copy
+    full.lengths = base_full + keep
+    for cache in (mat, draft):
+        cache.copy_from(full, base_full, base_draft, keep)
+        cache.lengths = base_draft + keep
+    nxt, npos = torch.randint(0, 256, (3, 1), generator=g), (base_full + keep)[:, None]
+    _close(engine.model(nxt, npos, draft)[0], engine.model(nxt, npos, mat)[0], rel)
+    assert draft.lengths.tolist() == mat.lengths.tolist()
+
+
+@pytest.mark.parametrize("layout", ["dense-auto", "dense-bf16", "packed-ref"])
+@pytest.mark.parametrize("preset,k,adaptive", [("kivi2", 4, False), ("turboquant-k4v3", 6, True),
+                                               ("snapkv-4x", 8, False), ("streamingllm-8x", 3, True)])
+def test_vericache_on_compact_drafts_equals_full_kv(tiny, layout, preset, k, adaptive):
+    engine, pre = tiny
+    cfg = DecodeConfig(max_new_tokens=24, draft_k=k, adaptive=adaptive, k_min=2, k_max=16, stop_at_eos=False)
+    ref = engine.generate_full(pre, cfg)
+    engine.draft = LAYOUTS[layout][0]
+    try:
+        outs, stats = engine.generate(pre, [get_compressor(preset).compress(p.prefix) for p in pre], cfg)
+    finally:
+        engine.draft = DraftConfig()
+    assert outs == ref
+    assert stats.draft_lengths
+
+
+def test_float32_layouts_accept_what_materialized_accepts(tiny):
+    """Same drafts (float32 math) -> the same accepted counts, round by round."""
+    engine, pre = tiny
+    cfg = DecodeConfig(max_new_tokens=20, draft_k=5, stop_at_eos=False)
+    comps = [get_compressor("kivi2").compress(p.prefix) for p in pre]
+    first = engine.first_tokens(pre, cfg)
+    accepted = []
+    for dcfg in (DraftConfig("materialized"), LAYOUTS["dense-f32"][0], LAYOUTS["packed-ref"][0]):
+        extra = cfg.max_new_tokens + cfg.k_max + 2
+        _, stats = speculative_decode(engine.model, engine.full_cache(pre, extra),
+                                      engine.draft_cache(comps, extra, dcfg), first, cfg)
+        accepted.append(stats.accepted)
+    assert accepted[0] == accepted[1] == accepted[2]
+
+
+def test_layout_resolution_and_types(tiny):
+    engine, pre = tiny
+    c = [get_compressor("kivi4").compress(pre[0].prefix)]
+    assert DraftConfig().resolve_layout("cpu") == "dense"                 # no Triton on CPU tensors
+    assert isinstance(engine.draft_cache(c, 4), DenseDraftCache)
+    assert engine.draft_cache(c, 4).dtype == torch.float16
+    assert isinstance(engine.draft_cache(c, 4, DraftConfig("packed")), PackedDraftCache)
+    assert type(engine.draft_cache(c, 4, DraftConfig("materialized"))) is KVCache
+    dense, packed = make_draft_cache(engine.model, c, 4), make_draft_cache(engine.model, c, 4, DraftConfig("packed"))
+    mat = engine.draft_cache(c, 4, DraftConfig("materialized"))
+    assert 2 * dense.nbytes == mat.nbytes and packed.nbytes < mat.nbytes     # float16; codes + fp32 tail
+
+
+def test_bad_settings_raise_value_error(tiny):
+    engine, pre = tiny
+    for kw in ({"layout": "sparse"}, {"dtype": "int4"}, {"backend": "cuda"}):
+        with pytest.raises(ValueError, match=repr(next(iter(kw.values())))):
+            DraftConfig(**kw)
+    with pytest.raises(ValueError, match="no compressed"):
+        make_draft_cache(engine.model, [], 4)
+    c = get_compressor("kivi4").compress(pre[0].prefix)
+    c.layers = c.layers[:1]
+    with pytest.raises(ValueError, match="1 layers"):
+        make_draft_cache(engine.model, [c], 4, DraftConfig("packed"))
+    packed = engine.draft_cache([get_compressor("int8").compress(pre[0].prefix)], 2, DraftConfig("packed"))
+    with pytest.raises(ValueError, match="overflow"):
+        engine.model(torch.zeros(1, 3, dtype=torch.long), torch.arange(300, 303)[None], packed)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+def test_packed_layout_through_triton_interpreter():
+    """The CUDA path (Triton kernels inside the packed draft cache) under TRITON_INTERPRET=1."""
+    code = (
+        "import torch, sys; sys.path.insert(0, 'tests'); from test_draft_cache import tiny_engine\n"
+        "from vericache_connector.compressors import get_compressor\n"
+        "from vericache_connector.draft_cache import DraftConfig\n"
+        "e = tiny_engine(); p = e.prefill(list(range(1, 200)))\n"
+        "for name in ('kivi4', 'kivi2', 'snapkv-4x', 'turboquant:key_bits=4,value_bits=2'):\n"
+        "    c = get_compressor(name).compress(p.prefix)\n"
+        "    ids, pos = torch.tensor([[5, 6]]), torch.tensor([[199, 200]])\n"
+        "    ref = e.model(ids, pos, e.draft_cache([c], 4, DraftConfig('materialized')))[0]\n"
+        "    out = e.model(ids, pos, e.draft_cache([c], 4, DraftConfig('packed', backend='triton')))[0]\n"
+        "    err = float((out - ref).abs().max() / ref.abs().max())\n"
+        "    assert err < 1e-4, (name, err)\n"
+        "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["kivi4", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"])
+def test_real_model_default_draft_matches_materialized(engine, preset):
+    """SmolLM2-135M, a 1200-token real prompt: the engine's default draft path (float16 through the
+    fused CPU kernel) vs the materialized float32 draft: same argmax, logits within float16 rounding."""
+    from vericache_connector.prompts import load_prompt
+
+    ids = engine.encode(load_prompt("python_reference_docs"))[:1200]
+    pre = engine.prefill(ids)
+    c = get_compressor(preset).compress(pre.prefix)
+    x, pos = torch.tensor([[int(pre.logits.argmax()), 13]]), torch.tensor([[1200, 1201]])
+    ref = engine.model(x, pos, engine.draft_cache([c], 4, DraftConfig("materialized")))[0]
+    out = engine.model(x, pos, engine.draft_cache([c], 4))[0]
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    _close(out, ref, 5e-3)
+    _close(engine.model(x, pos, engine.draft_cache([c], 4, LAYOUTS["packed-ref"][0]))[0], ref, 1e-5)
+
+
+@pytest.mark.slow
+def test_engine_step_time_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/engine_step_time.py end to end at a tiny context (real model), so it cannot rot."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import engine_step_time
+
+    assert engine_step_time.main(["--contexts", "96", "--steps", "1", "--threads", "1", "--compressors",
+                                  "int8", "streamingllm-8x", "--out", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [r["variant"] for r in doc["rows"]]
+    assert names[:3] == ["full", "full/dense-f32", "full/dense-f16"] and "int8/auto" in names
+    assert all(r["step_ratio"] > 0 and r["attn_ratio"] > 0 for r in doc["rows"])
+    assert all(r["same_argmax"] for r in doc["rows"] if r["layout"] in ("auto", "dense-f32"))
+    (out,) = tmp_path.iterdir()
+    assert {p.name for p in out.iterdir()} == {"command.txt", "results.json", "table.md", "step_ratio.png"}
+    with pytest.raises(ValueError, match="sparse"):
+        engine_step_time.parse_args(["--layouts", "sparse"])
