@@ -13,7 +13,9 @@ import torch
 
 from kernels._dispatch import triton_available
 from vericache_connector.compressors import get_compressor
+from kernels.paged import vllm_cpu_attention_available
 from vericache_connector.draft_cache import (DenseDraftCache, DraftConfig, PackedDraftCache, make_draft_cache)
+from vericache_connector.draft_cache_paged import PagedDraftCache
 from vericache_connector.engine import VeriCacheEngine
 from vericache_connector.kv_cache import KVCache
 from vericache_connector.model import CausalLM, ModelConfig
@@ -24,7 +26,12 @@ PRESETS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "fp8", "snapkv-4x", "str
 # summation order; float16/bfloat16 storage rounds K/V (and q) to 11/8 significant bits
 LAYOUTS = {"dense-f32": (DraftConfig("dense", "float32"), 1e-4), "dense-auto": (DraftConfig("dense"), 5e-3),
            "dense-bf16": (DraftConfig("dense", "bfloat16"), 4e-2),
-           "packed-ref": (DraftConfig("packed", backend="ref"), 1e-4)}
+           "packed-ref": (DraftConfig("packed", backend="ref"), 1e-4),
+           "paged-auto": (DraftConfig("paged"), 5e-3),
+           # float8 e4m3 keeps 4 significant bits of K/V (scale per layer): drafts move by a few percent
+           "paged-fp8": (DraftConfig("paged", "fp8_e4m3"), 1.5e-1),
+           "paged-fp8-ref": (DraftConfig("paged", "fp8_e4m3", backend="ref"), 1.5e-1),
+           "paged-bf16": (DraftConfig("paged", "bfloat16"), 4e-2), "paged-f32": (DraftConfig("paged", "float32"), 1e-4)}
 
 
 def tiny_engine() -> VeriCacheEngine:
@@ -83,14 +90,15 @@ def test_draft_logits_match_materialized(tiny, preset, layout):
     assert draft.lengths.tolist() == mat.lengths.tolist()
 
 
-@pytest.mark.parametrize("layout", ["dense-auto", "dense-bf16", "packed-ref"])
+@pytest.mark.parametrize("layout", ["dense-auto", "dense-bf16", "packed-ref", "paged-auto", "paged-fp8",
+                                    "paged-int8w"])
 @pytest.mark.parametrize("preset,k,adaptive", [("kivi2", 4, False), ("turboquant-k4v3", 6, True),
                                                ("snapkv-4x", 8, False), ("streamingllm-8x", 3, True)])
 def test_vericache_on_compact_drafts_equals_full_kv(tiny, layout, preset, k, adaptive):
     engine, pre = tiny
     cfg = DecodeConfig(max_new_tokens=24, draft_k=k, adaptive=adaptive, k_min=2, k_max=16, stop_at_eos=False)
     ref = engine.generate_full(pre, cfg)
-    engine.draft = LAYOUTS[layout][0]
+    engine.draft = DraftConfig("paged", weights="int8") if layout == "paged-int8w" else LAYOUTS[layout][0]
     try:
         outs, stats = engine.generate(pre, [get_compressor(preset).compress(p.prefix) for p in pre], cfg)
     finally:
@@ -106,30 +114,38 @@ def test_float32_layouts_accept_what_materialized_accepts(tiny):
     comps = [get_compressor("kivi2").compress(p.prefix) for p in pre]
     first = engine.first_tokens(pre, cfg)
     accepted = []
-    for dcfg in (DraftConfig("materialized"), LAYOUTS["dense-f32"][0], LAYOUTS["packed-ref"][0]):
+    for dcfg in (DraftConfig("materialized"), LAYOUTS["dense-f32"][0], LAYOUTS["packed-ref"][0],
+                 LAYOUTS["paged-f32"][0]):
         extra = cfg.max_new_tokens + cfg.k_max + 2
         _, stats = speculative_decode(engine.model, engine.full_cache(pre, extra),
                                       engine.draft_cache(comps, extra, dcfg), first, cfg)
         accepted.append(stats.accepted)
-    assert accepted[0] == accepted[1] == accepted[2]
+    assert accepted[0] == accepted[1] == accepted[2] == accepted[3]
 
 
 def test_layout_resolution_and_types(tiny):
     engine, pre = tiny
     c = [get_compressor("kivi4").compress(pre[0].prefix)]
-    assert DraftConfig().resolve_layout("cpu") == "dense"                 # no Triton on CPU tensors
-    assert isinstance(engine.draft_cache(c, 4), DenseDraftCache)
-    assert engine.draft_cache(c, 4).dtype == torch.float16
+    paged = vllm_cpu_attention_available("float16")                       # vllm-cpu installed
+    assert DraftConfig().resolve_layout("cpu") == ("paged" if paged else "dense")   # no Triton on the CPU
+    assert DraftConfig(backend="ref").resolve_layout("cpu") == "dense"
+    assert isinstance(engine.draft_cache(c, 4), PagedDraftCache if paged else DenseDraftCache)
+    assert engine.draft_cache(c, 4, DraftConfig("dense")).dtype == torch.float16
+    f32 = engine.draft_cache(c, 4, DraftConfig("materialized")).nbytes
+    assert 2 * engine.draft_cache(c, 4, DraftConfig("paged")).nbytes == f32                 # float16
+    assert 4 * engine.draft_cache(c, 4, DraftConfig("paged", "fp8_e4m3")).nbytes == f32
     assert isinstance(engine.draft_cache(c, 4, DraftConfig("packed")), PackedDraftCache)
     assert type(engine.draft_cache(c, 4, DraftConfig("materialized"))) is KVCache
-    dense, packed = make_draft_cache(engine.model, c, 4), make_draft_cache(engine.model, c, 4, DraftConfig("packed"))
+    dense = make_draft_cache(engine.model, c, 4, DraftConfig("dense"))
+    packed = make_draft_cache(engine.model, c, 4, DraftConfig("packed"))
     mat = engine.draft_cache(c, 4, DraftConfig("materialized"))
     assert 2 * dense.nbytes == mat.nbytes and packed.nbytes < mat.nbytes     # float16; codes + fp32 tail
 
 
 def test_bad_settings_raise_value_error(tiny):
     engine, pre = tiny
-    for kw in ({"layout": "sparse"}, {"dtype": "int4"}, {"backend": "cuda"}):
+    for kw in ({"layout": "sparse"}, {"dtype": "int4"}, {"backend": "cuda"}, {"weights": "int4"},
+               {"dtype": "fp8_e4m3"}):
         with pytest.raises(ValueError, match=repr(next(iter(kw.values())))):
             DraftConfig(**kw)
     with pytest.raises(ValueError, match="no compressed"):
@@ -167,9 +183,12 @@ def test_packed_layout_through_triton_interpreter():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["kivi4", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"])
-def test_real_model_default_draft_matches_materialized(engine, preset):
-    """SmolLM2-135M, a 1200-token real prompt: the engine's default draft path (float16 through the
-    fused CPU kernel) vs the materialized float32 draft: same argmax, logits within float16 rounding."""
+@pytest.mark.parametrize("layout,dtype,rel", [("dense", "auto", 5e-3), ("paged", "auto", 5e-3),
+                                              ("paged", "fp8_e4m3", 1e-1)])
+def test_real_model_compact_drafts_match_materialized(engine, preset, layout, dtype, rel):
+    """SmolLM2-135M, a 1200-token real prompt: the CPU draft paths (float16 through PyTorch's fused
+    CPU kernel or, the default where installed, through vllm-cpu's paged kernel; float8 through vllm-cpu's
+    kernel) vs the materialized float32 draft: same argmax, logits within the storage's rounding."""
     from vericache_connector.prompts import load_prompt
 
     ids = engine.encode(load_prompt("python_reference_docs"))[:1200]
@@ -177,9 +196,9 @@ def test_real_model_default_draft_matches_materialized(engine, preset):
     c = get_compressor(preset).compress(pre.prefix)
     x, pos = torch.tensor([[int(pre.logits.argmax()), 13]]), torch.tensor([[1200, 1201]])
     ref = engine.model(x, pos, engine.draft_cache([c], 4, DraftConfig("materialized")))[0]
-    out = engine.model(x, pos, engine.draft_cache([c], 4))[0]
+    out = engine.model(x, pos, engine.draft_cache([c], 4, DraftConfig(layout, dtype)))[0]
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
-    _close(out, ref, 5e-3)
+    _close(out, ref, rel)
     _close(engine.model(x, pos, engine.draft_cache([c], 4, LAYOUTS["packed-ref"][0]))[0], ref, 1e-5)
 
 

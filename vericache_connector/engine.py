@@ -14,6 +14,7 @@ import torch
 
 from .compressors import CompressedKV, PrefixKV
 from .draft_cache import DraftConfig, PackedDraftCache, make_draft_cache
+from .draft_weights import make_draft_model
 from .kv_cache import KVCache
 from .model import CausalLM, load_model
 from .model_loader import resolve_model_dir
@@ -42,6 +43,7 @@ class VeriCacheEngine:
         self.model, self.tokenizer, self.obs_window = model, tokenizer, obs_window
         self.model_name = model_name   # names the model in store keys
         self.draft = draft or DraftConfig()   # how draft caches hold and attend the compressed prefix
+        self._draft_models: dict[str, CausalLM] = {}
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, dtype: torch.dtype | None = None,
@@ -88,13 +90,21 @@ class VeriCacheEngine:
             cache.load_row(row, p.prefix.keys, p.prefix.values)
         return cache
 
+    def draft_model(self, config: DraftConfig | None = None) -> CausalLM:
+        """The model draft steps run (config.weights: the model itself, or a cheaper copy, made once)."""
+        weights = (config or self.draft).weights
+        if weights not in self._draft_models:
+            self._draft_models[weights] = make_draft_model(self.model, weights)
+        return self._draft_models[weights]
+
     def draft_cache(self, compressed: list[CompressedKV], extra: int,
                     config: DraftConfig | None = None) -> KVCache | PackedDraftCache:
         """The cache drafts attend over, one compressed prefix per row, room for `extra` new entries.
         config (default self.draft) picks the layout: the compressed prefix kept compact (packed codes
         for the Triton kernels on CUDA, float16 through the fused CPU kernel on the CPU) or
         "materialized" into a plain KVCache in the model's dtype (see draft_cache.py)."""
-        return make_draft_cache(self.model, compressed, extra, config or self.draft)
+        config = config or self.draft
+        return make_draft_cache(self.draft_model(config), compressed, extra, config)
 
     def first_tokens(self, prefills: list[Prefill], cfg: DecodeConfig) -> Tensor:
         return sample(torch.stack([p.logits for p in prefills]), cfg.temperature, cfg.generator())[0]
@@ -111,7 +121,7 @@ class VeriCacheEngine:
     def generate_lossy(self, prefills: list[Prefill], compressed: list[CompressedKV], cfg: DecodeConfig,
                        on_tokens=None) -> list[list[int]]:
         """What plain KV compression gives: decoding on the compressed KV only (drifts from full KV)."""
-        cache = self.draft_cache(compressed, cfg.max_new_tokens + 1)
+        cache = make_draft_cache(self.model, compressed, cfg.max_new_tokens + 1, self.draft)
         positions = torch.tensor([p.num_tokens for p in prefills], device=self.model.device)
         return autoregressive_decode(self.model, cache, self.first_tokens(prefills, cfg), positions, cfg,
                                      on_tokens)
@@ -126,4 +136,5 @@ class VeriCacheEngine:
         extra = cfg.max_new_tokens + cfg.k_max + 2
         full = self.full_cache(prefills, extra)
         draft = self.draft_cache(compressed, extra)
-        return speculative_decode(self.model, full, draft, self.first_tokens(prefills, cfg), cfg, on_tokens)
+        return speculative_decode(self.model, full, draft, self.first_tokens(prefills, cfg), cfg, on_tokens,
+                                  draft_model=self.draft_model())

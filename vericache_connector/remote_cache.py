@@ -79,15 +79,15 @@ class _Arrival:
 
 class _Clock:
     """Stands in for the model in speculative_decode; notes when the first and the last draft forward of
-    round 1 (the ones before the first verify pass) return."""
+    round 1 (the ones before the first verify pass) return. Draft forwards run `drafter`."""
 
-    def __init__(self, model, draft: KVCache):
-        self.model, self.cfg, self.draft = model, model.cfg, draft
+    def __init__(self, model, draft: KVCache, drafter=None):
+        self.model, self.cfg, self.draft, self.drafter = model, model.cfg, draft, drafter or model
         self.first_draft = self.round1_end = None
         self.verified = False
 
     def __call__(self, ids, positions, cache, **kw):
-        out = self.model(ids, positions, cache, **kw)
+        out = (self.drafter if cache is self.draft else self.model)(ids, positions, cache, **kw)
         if cache is not self.draft:
             self.verified = True
         elif not self.verified:
@@ -227,7 +227,7 @@ class RemotePrefixCache:
         return res
 
     def _decode(self, full, draft, first, decode, arrival, t0, path) -> RemoteResult:
-        clock, marks = _Clock(self.engine.model, draft), []
+        clock, marks = _Clock(self.engine.model, draft, self.engine.draft_model()), []
         outs, stats = speculative_decode(clock, full, draft, first, decode, arrival=arrival,
                                          on_tokens=lambda n: marks or marks.append(time.perf_counter()))
         return RemoteResult(outs[0], path, stats, Timings(_since(clock.first_draft, t0), _since(clock.round1_end, t0),

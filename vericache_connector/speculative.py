@@ -66,7 +66,8 @@ def _emit(out: list[int], new: list[int], cfg: DecodeConfig, eos: tuple[int, ...
 
 @torch.inference_mode()
 def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Tensor, cfg: DecodeConfig,
-                       on_tokens=None, arrival=None) -> tuple[list[list[int]], SpecStats]:
+                       on_tokens=None, arrival=None, draft_model: CausalLM | None = None
+                       ) -> tuple[list[list[int]], SpecStats]:
     """Generate from B rows whose prompts are already in `full` (exact) and `draft` (compressed).
 
     first [B]: the first generated token (sampled from the full-KV prefill logits), or first [B, P]:
@@ -75,8 +76,10 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Te
     suffix's prefill on the full KV.
     arrival: optional object with ready() -> bool and wait(); the full KV is still streaming in, so
     round 1 keeps drafting (up to k_max) until ready(), then wait()s before its verify pass.
+    draft_model: what the draft steps run (default `model`; e.g. int8 weights, draft_weights.py).
     Returns the generated tokens per row (starting with the first one) and acceptance statistics.
     """
+    drafter = draft_model or model
     b, dev, eos = full.batch, full.lengths.device, model.cfg.eos_token_ids
     gen = cfg.generator()
     outs = [[] for _ in range(b)]
@@ -96,7 +99,7 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: KVCache, first: Te
         x, drafts, q_probs = pending, [], []
         pos = base_full[:, None] + torch.arange(p_len, device=dev)[None]
         while len(drafts) < k or (arrival is not None and not arrival.ready() and len(drafts) < cfg.k_max):
-            logits, _ = model(x, pos, draft)
+            logits, _ = drafter(x, pos, draft)
             tok, q_i = sample(logits[:, -1], cfg.temperature, gen)
             drafts.append(tok)
             q_probs.append(q_i)
