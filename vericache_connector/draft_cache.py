@@ -279,6 +279,6 @@ def make_draft_cache(model, compressed: list[CompressedKV], extra: int,
         from .draft_cache_paged import PagedDraftCache
 
         rows = _decode_rows(model, compressed, torch.float32)
-        dtype = cfg.paged_dtype if cfg.dtype != "auto" else str(_compact_dtype(rows)).removeprefix("torch.")
+        dtype = cfg.dtype if cfg.dtype != "auto" else str(_compact_dtype(rows)).removeprefix("torch.")
         return PagedDraftCache(model, rows, extra, dtype, cfg.backend)
     return PackedDraftCache(model, compressed, extra, cfg)

@@ -42,7 +42,6 @@ class PagedDraftCache:
         self.caches = [PA.new_paged_cache(b * self.blocks_per_row, mc.num_kv_heads, mc.head_dim, BLOCK_SIZE,
                                           kv_dtype, dev) for _ in range(mc.num_layers)]
         self.scales = [self._scales([layers[layer] for layers in rows]) for layer in range(mc.num_layers)]
-        self.lengths = torch.zeros(b, dtype=torch.long, device=dev)
         for row, layers in enumerate(rows):
             for layer, (k, v) in enumerate(layers):
                 self._store(layer, row, 0, k.transpose(0, 1), v.transpose(0, 1))
@@ -72,7 +71,7 @@ class PagedDraftCache:
         return int(self.lengths.sum()) * per_token
 
     def _slots(self, row: int, start: int, n: int) -> Tensor:
-        pos = torch.arange(start, start + n, device=self.lengths.device)
+        pos = torch.arange(start, start + n, device=self.block_table.device)
         return self.block_table[row].long()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
     def _store(self, layer: int, row: int, start: int, k: Tensor, v: Tensor) -> None:
@@ -96,9 +95,10 @@ class PagedDraftCache:
         if key != self._plan_key:       # lengths change once per step: one plan for all layers
             self._seq_lens = (self.lengths + lq).to(torch.int32)
             self._starts = torch.arange(0, (b + 1) * lq, lq, dtype=torch.int32, device=q.device)
+            kc, _ = self.caches[layer]
             self._plan = (PA.paged_attention_plan(q.new_empty(0, hq, d, dtype=self.q_dtype), k.shape[1],
                                                   self._starts, self._seq_lens, self.kv_dtype)
-                          if PA.vllm_cpu_attention_available(self.kv_dtype) and self.backend == "auto" else None)
+                          if PA.uses_vllm_kernel(self.backend, self.kv_dtype, q, kc) else None)
             self._plan_key = key
         kc, vc = self.caches[layer]
         out = PA.paged_attention(q.transpose(1, 2).reshape(b * lq, hq, d).to(self.q_dtype), kc, vc, self._starts,

@@ -64,11 +64,9 @@ def make_draft_model(model, weights: str = "model"):
     if weights == "model":
         return model
     dtype = torch.bfloat16
+    draft = copy.deepcopy(model)
     if weights == "int8":
-        draft = copy.deepcopy(model)              # quantize from the float32 originals, then convert the rest
-        _swap_linears(draft, dtype)
-    else:
-        draft = copy.deepcopy(model)
+        _swap_linears(draft, dtype)               # quantize from the float32 originals, then convert the rest
     draft.to(dtype)
     draft.inv_freq = model.inv_freq               # rotary frequencies stay float32 (positions up to 8k)
     return draft.eval()
