@@ -43,6 +43,7 @@ class ServerConfig:
     spec_k: int = 0                   # > 0: the compressed-KV proposer drafts this many tokens
     multi: bool = False               # the connector inside MultiConnector
     bandwidth_bytes_per_s: float | None = None  # emulated store read bandwidth
+    timeout_s: float | None = None    # the connector's store timeout (None: its default, 5 s)
     dtype: str = "float32"
     max_model_len: int = 2048
     kv_space_gib: int = 1             # VLLM_CPU_KVCACHE_SPACE
@@ -55,7 +56,8 @@ class ServerConfig:
                "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype, "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--no-enable-prefix-caching", "--seed", str(self.seed)]
         if self.store is not None:
-            extra = {} if self.bandwidth_bytes_per_s is None else {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s}
+            extra = {k: v for k, v in (("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
+                                       ("timeout_s", self.timeout_s)) if v is not None}
             cfg = kv_transfer_config(self.store, self.compressor, self.multi, **extra)
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
         if self.spec_k > 0:
