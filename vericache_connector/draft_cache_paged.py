@@ -91,16 +91,15 @@ class PagedDraftCache:
         causal among them) in one kernel call for all rows. -> [B, Hq, Lq, D] in q's dtype."""
         b, hq, lq, d = q.shape
         self.write(layer, k, v)
+        kc, vc = self.caches[layer]
         key = (lq, tuple(self.lengths.tolist()))
         if key != self._plan_key:       # lengths change once per step: one plan for all layers
             self._seq_lens = (self.lengths + lq).to(torch.int32)
             self._starts = torch.arange(0, (b + 1) * lq, lq, dtype=torch.int32, device=q.device)
-            kc, _ = self.caches[layer]
             self._plan = (PA.paged_attention_plan(q.new_empty(0, hq, d, dtype=self.q_dtype), k.shape[1],
                                                   self._starts, self._seq_lens, self.kv_dtype)
                           if PA.uses_vllm_kernel(self.backend, self.kv_dtype, q, kc) else None)
             self._plan_key = key
-        kc, vc = self.caches[layer]
         out = PA.paged_attention(q.transpose(1, 2).reshape(b * lq, hq, d).to(self.q_dtype), kc, vc, self._starts,
                                  self._seq_lens, self.block_table, self.kv_dtype, *self.scales[layer],
                                  plan=self._plan, backend=self.backend)

@@ -43,7 +43,7 @@ class ServerConfig:
     spec_k: int = 0                   # > 0: the compressed-KV proposer drafts this many tokens
     multi: bool = False               # the connector inside MultiConnector
     bandwidth_bytes_per_s: float | None = None  # emulated store read bandwidth
-    timeout_s: float | None = None    # the connector's store timeout (None: its default, 5 s)
+    timeout_s: float | None = None    # the connector's store timeout (None: RemoteCacheConfig's)
     dtype: str = "float32"
     max_model_len: int = 2048
     kv_space_gib: int = 1             # VLLM_CPU_KVCACHE_SPACE
