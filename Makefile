@@ -3,8 +3,9 @@
 PY ?= python3
 VENV ?= .venv
 PIP := $(VENV)/bin/pip
+PYTEST := $(VENV)/bin/python -m pytest -q -ra
 
-.PHONY: install demo test
+.PHONY: install demo test test-fast lint format
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml requirements-nodeps.txt
@@ -20,5 +21,18 @@ $(VENV)/.installed: pyproject.toml requirements-nodeps.txt
 demo: install
 	$(VENV)/bin/vericache demo
 
+# Everything (what CI runs); the 25 slowest tests are listed at the end, so a new slow one is seen.
 test: install
-	$(VENV)/bin/python -m pytest -q -ra
+	$(PYTEST) --durations=25
+
+# While working: the unit tests and the other fast ones (no real-model decoding, no live servers).
+test-fast: install
+	$(PYTEST) -m "not slow" --durations=10 tests/unit tests/integration/vllm/test_vllm_connector_inprocess.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+import bench_paths
+
 DEFAULT_COMPRESSORS = ["streamingllm-4x", "streamingllm-8x", "snapkv-4x", "snapkv-8x", "kivi4", "kivi2"]
 
 
@@ -64,14 +66,14 @@ def plot(rows, ks, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    bench_paths.setup()
     from vericache_connector.compressors import get_compressor
+    from vericache_connector.data import load_prompts
     from vericache_connector.engine import VeriCacheEngine
-    from vericache_connector.prompts import load_prompts
-    from vericache_connector.speculative import DecodeConfig
+    from vericache_connector.engine.speculative import DecodeConfig
 
     comps = [get_compressor(c) for c in args.compressors]
-    from vericache_connector.draft_cache import DraftConfig
+    from vericache_connector.draft import DraftConfig
 
     engine = VeriCacheEngine.from_pretrained(args.model, draft=DraftConfig(args.draft_layout, args.draft_dtype,
                                                                            weights=args.draft_weights))

@@ -242,9 +242,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     local = LINKS[args.compressed_local].bytes_per_s if args.compressed_local else None
     drafts = load_measured(args.measured, args.ks) if args.measured else BUILTIN
-    preds = [predict(HARDWARE[h], MODELS[m], LINKS[l], d, Workload(t, b, args.new_tokens,
+    preds = [predict(HARDWARE[h], MODELS[m], LINKS[ln], d, Workload(t, b, args.new_tokens,
                                                                        local))
-             for m in args.models for h in args.hardware for l in args.links for d in drafts
+             for m in args.models for h in args.hardware for ln in args.links for d in drafts
              for t in args.context for b in args.batch]
     cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     src = args.measured or "built-in figures"

@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+import bench_paths
+
 DEFAULT_COMPRESSORS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"]
 
 
@@ -90,7 +92,7 @@ class Uncompressed:
 
 
 def context_ids(engine, t: int) -> list[int]:
-    from vericache_connector.prompts import load_prompts
+    from vericache_connector.data import load_prompts
 
     ids: list[int] = []
     texts = list(load_prompts().values())
@@ -101,7 +103,7 @@ def context_ids(engine, t: int) -> list[int]:
 
 def build_variants(engine, pre, args) -> list[dict]:
     from vericache_connector.compressors import get_compressor
-    from vericache_connector.draft_cache import DraftConfig
+    from vericache_connector.draft import DraftConfig
 
     out = [{"name": "full", "compressor": "-", "layout": "full", "cache": engine.full_cache([pre], 2),
             "model": engine.model}]
@@ -242,7 +244,7 @@ def table(rows, header: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    bench_paths.setup()
     from vericache_connector.engine import VeriCacheEngine
 
     torch.set_num_threads(args.threads)

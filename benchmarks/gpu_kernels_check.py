@@ -23,7 +23,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_paths
+
+bench_paths.setup()
 
 TOL = {"float32": (2e-4, 2e-4), "float16": (2e-2, 1e-2), "bfloat16": (6e-2, 3e-2)}  # (atol, rtol)
 
@@ -145,7 +147,8 @@ def _time_cuda(torch, fn, warmup=3, iters=20) -> float:
 
 def run_checks(args) -> list[dict]:
     import torch
-    import kernels as K
+
+    import vericache_kernels as K
 
     device = "cpu" if args.interpret else "cuda"
     rows = []
@@ -195,7 +198,9 @@ def compile_only(args) -> list[dict]:
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import _attn_triton as A, _pack_triton as P
+
+    from vericache_kernels import _attn_triton as A
+    from vericache_kernels import _pack_triton as P
 
     target = GPUTarget("cuda", 90, 32)
     jobs = []
@@ -272,7 +277,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before kernels' Triton modules are imported
     import torch
 
-    from kernels import triton_available
+    from vericache_kernels import triton_available
 
     if not triton_available():
         print("triton does not import: no Triton kernel to check", file=sys.stderr)

@@ -18,14 +18,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+import bench_paths
+
 
 def build(layers: int, smoke: bool, device: str, dtype: torch.dtype):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from vericache_connector.model import CausalLM, ModelConfig
+    bench_paths.setup()
+    from vericache_connector.engine.model import CausalLM, ModelConfig
 
     big = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
                head_dim=128, max_position=131072)

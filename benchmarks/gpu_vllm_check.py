@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import bench_paths
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads (head_dim 64)
     "tiny": (256, 512, 4, 4, 2),
@@ -41,7 +42,7 @@ def build_model(size: str, dest: Path, seed: int = 0) -> None:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    bench_paths.setup()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a dry run of this script)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1100, 2000])
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from vericache_connector.vllm_launch import ServerConfig, VLLMServer
+    from vllm_server import ServerConfig, VLLMServer
     size = "tiny" if args.tiny else "1b"
     work = Path(tempfile.mkdtemp(prefix="vericache-gpu-vllm-"))
     t0 = time.perf_counter()

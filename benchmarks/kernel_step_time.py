@@ -28,13 +28,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_paths
+
+bench_paths.setup()
 
 import torch  # noqa: E402
 
-import kernels as K  # noqa: E402
+import vericache_kernels as K  # noqa: E402
 
 LAYERS, HQ, HKV, D, GROUP, RESIDUAL = 30, 9, 3, 64, 32, 128
 

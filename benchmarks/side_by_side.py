@@ -34,6 +34,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+import bench_paths
+
 REF_KV_BYTES_PER_TOKEN = {"llama3-8b": 32 * 8 * 128 * 2 * 2, "qwen3-32b": 64 * 8 * 128 * 2 * 2,
                           "llama3.3-70b": 80 * 8 * 128 * 2 * 2}
 DEFAULT_SWEEP = ["kivi4", "snapkv-4x"]          # all draft horizons
@@ -100,7 +102,7 @@ class Run:
 
 
 def decode_cfg(k: str, new_tokens: int, k_max: int):
-    from vericache_connector.speculative import DecodeConfig
+    from vericache_connector.engine.speculative import DecodeConfig
 
     if k == "adaptive":
         return DecodeConfig(max_new_tokens=new_tokens, draft_k=8, adaptive=True, k_min=2, k_max=max(k_max, 8),
@@ -130,7 +132,9 @@ class Bench:
 
     # ---- setup: the copies a miss would have written --------------------------------------------
     def write_copies(self, ids: list[int], compressors: dict) -> int:
-        stored = (len(ids) - 1) // self.args.chunk_size * self.args.chunk_size
+        from storage_backends import stored_prefix_len
+
+        stored = stored_prefix_len(len(ids), self.args.chunk_size)
         pre = self.engine.prefill(ids[:stored])
         layers = [{"k": k, "v": v} for k, v in zip(pre.prefix.keys, pre.prefix.values)]
         comps = {}
@@ -157,7 +161,7 @@ class Bench:
 
     # ---- (a) full-KV fetch, then plain decoding -------------------------------------------------
     def full_kv(self, name: str, ids: list[int], stored: int, gbit: float) -> tuple[Run, object]:
-        from vericache_connector.speculative import autoregressive_decode
+        from vericache_connector.engine.speculative import autoregressive_decode
 
         torch, model = self.torch, self.engine.model
         n_new = self.args.new_tokens
@@ -194,7 +198,7 @@ class Bench:
 
     # ---- (c) lossy: compressed copy only ---------------------------------------------------------
     def lossy(self, name, ids, stored, gbit, comp_name, comp) -> tuple[Run, object]:
-        from vericache_connector.speculative import autoregressive_decode
+        from vericache_connector.engine.speculative import autoregressive_decode
 
         torch, n_new = self.torch, self.args.new_tokens
         t0 = time.perf_counter()
@@ -228,7 +232,7 @@ class Bench:
 
     # ---- (d) VeriCache, the real hit path -------------------------------------------------------
     def vericache(self, name, ids, gbit, comp_name, k) -> Run:
-        from vericache_connector.remote_cache import RemoteCacheConfig, RemotePrefixCache
+        from vericache_connector.remote.prefix_cache import RemoteCacheConfig, RemotePrefixCache
 
         cfg = RemoteCacheConfig(url=STORE_URL, compressor=comp_name, chunk_size=self.args.chunk_size,
                                 bandwidth_bytes_per_s=self.rate(gbit), timeout_s=120.0,
@@ -253,7 +257,9 @@ def mean(xs):
 
 def aggregate(runs: list[Run], quality: dict, ref_bytes: dict) -> list[dict]:
     """One row per (method, compressor, k, gbit), averaged over prompts, with ratios vs full-kv."""
-    keyf = lambda r: (r.method, r.compressor, r.k, r.gbit)
+    def keyf(r):
+        return r.method, r.compressor, r.k, r.gbit
+
     groups: dict = {}
     for r in runs:
         groups.setdefault(keyf(r), []).append(r)
@@ -282,7 +288,9 @@ def aggregate(runs: list[Run], quality: dict, ref_bytes: dict) -> list[dict]:
                 row["bytes_ratio"] = ref_bytes[comp]
             rows.append(row)
     order = {"full-kv": 0, "recompute": 1, "lossy": 2, "vericache": 3}
-    kord = lambda k: 99 if k == "adaptive" else (int(k) if k.isdigit() else 0)
+    def kord(k):
+        return 99 if k == "adaptive" else (int(k) if k.isdigit() else 0)
+
     rows.sort(key=lambda r: (r["gbit"], order[r["method"]], r["compressor"], kord(r["k"])))
     return rows
 
@@ -413,14 +421,14 @@ def plots(rows, ks, out: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    bench_paths.setup()
     args = parse_args(argv)
     import torch
 
     from vericache_connector.compressors import get_compressor
+    from vericache_connector.data import load_prompts
     from vericache_connector.demo import first_divergence
     from vericache_connector.engine import VeriCacheEngine
-    from vericache_connector.prompts import load_prompts
 
     for k in [*args.ks, args.extra_k]:
         if k != "adaptive" and not (k.isdigit() and int(k) >= 1):

@@ -21,7 +21,9 @@ import tempfile
 import time
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_paths
+
+bench_paths.setup()
 
 from storage_backends import open_backend  # noqa: E402
 
@@ -54,6 +56,7 @@ def backend_url(name: str, args, cleanup: list) -> str:
         import logging
 
         import nixl  # noqa: F401  (configures its stdout logger on import)
+
         from storage_backends.nixl_server import NixlStoreServer
 
         logging.getLogger("nixl").setLevel(logging.WARNING)  # keep --json output clean

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+import bench_paths
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -42,7 +44,7 @@ def parse_args(argv=None):
 
 
 def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
-    from vericache_connector.vllm_launch import VLLMServer
+    from vllm_server import VLLMServer
     out = {}
     with VLLMServer(cfg) as srv:
         srv.complete(list(range(1000, 1064)), 4)  # warm-up: first-request overheads out of the timings
@@ -57,12 +59,13 @@ def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    bench_paths.setup()
     args = parse_args(argv)
+    from vericache_connector.data import load_prompts
     from vericache_connector.engine import VeriCacheEngine
-    from vericache_connector.model_loader import resolve_model_dir
-    from vericache_connector.prompts import load_prompts
-    from vericache_connector.vllm_launch import ServerConfig
+    from vericache_connector.engine.model_loader import resolve_model_dir
+
+    from vllm_server import ServerConfig
 
     model = str(resolve_model_dir(args.model))
     tok = VeriCacheEngine.from_pretrained(model)  # for its tokenizer

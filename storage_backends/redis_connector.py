@@ -7,7 +7,6 @@ from typing import Iterable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from .base import (
-    redact_url,
     BackendOptions,
     StorageBackend,
     StoreError,
@@ -15,6 +14,7 @@ from .base import (
     check_range,
     logger,
     query_options,
+    redact_url,
 )
 
 

@@ -1,17 +1,35 @@
-"""Shared fixtures: the real model (SmolLM2-135M, float32, CPU) and the bundled long prompts, prefilled
-once per session; the full-KV greedy reference outputs are computed once and reused by every test."""
+"""Shared fixtures for every test directory.
+
+tests/unit           fast: no real model, no servers (make test-fast runs these and the other fast ones)
+tests/integration/   model/ (the real SmolLM2-135M), stores/ (redis, S3, NIXL, the remote cache),
+                     vllm/ (vLLM's scheduler in-process, and its OpenAI server on 127.0.0.1)
+tests/support/       helper modules the tests import by name (put on sys.path here)
+
+The real model and the bundled long prompts are prefilled once per session; the full-KV greedy
+reference outputs are computed once and reused by every test.
+"""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import sys
+import uuid
 
-from vericache_connector.speculative import DecodeConfig
+import pytest
+
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
+
+from stores import RedisProcess, has_module, need  # noqa: E402
 
 NEW_TOKENS = 64
 
 
+# ---------------------------------------------------------------- the real model
 @pytest.fixture(scope="session")
 def engine():
+    import torch
+
     from vericache_connector.engine import VeriCacheEngine
 
     torch.manual_seed(0)
@@ -21,13 +39,15 @@ def engine():
 @pytest.fixture(scope="session")
 def prefills(engine):
     """The five bundled real prompts (1.9k-5.6k tokens), prefilled on the full KV."""
-    from vericache_connector.prompts import load_prompts
+    from vericache_connector.data import load_prompts
 
     return [engine.prefill(engine.encode(text)) for text in load_prompts().values()]
 
 
 @pytest.fixture(scope="session")
 def greedy_cfg():
+    from vericache_connector.engine import DecodeConfig
+
     return DecodeConfig(max_new_tokens=NEW_TOKENS, draft_k=8, stop_at_eos=False)
 
 
@@ -35,3 +55,82 @@ def greedy_cfg():
 def reference(engine, prefills, greedy_cfg):
     """Plain full-KV greedy decoding, one token at a time: what VeriCache must reproduce exactly."""
     return engine.generate_full(prefills, greedy_cfg)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The bundled model's converted checkpoint directory (converted once per machine)."""
+    from vericache_connector.engine import resolve_model_dir
+
+    return str(resolve_model_dir(None))
+
+
+# ---------------------------------------------------------------- store URLs
+@pytest.fixture
+def memory_url():
+    from stores import drop_memory_store
+
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield f"local://{name}"
+    drop_memory_store(name)
+
+
+@pytest.fixture
+def disk_url(tmp_path):
+    return f"local://{tmp_path}/store"
+
+
+@pytest.fixture
+def redis_url():
+    url = os.environ.get("VERICACHE_REDIS_URL")
+    need(bool(url), "VERICACHE_REDIS_URL is not set (start redis with: source .ci/services.sh)")
+    need(has_module("redis"), "python package 'redis' is not installed")
+    return f"{url}?prefix=t{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture
+def s3_url():
+    endpoint = os.environ.get("VERICACHE_S3_ENDPOINT")
+    need(bool(endpoint), "VERICACHE_S3_ENDPOINT is not set (start moto_server with: source .ci/services.sh)")
+    need(has_module("boto3"), "python package 'boto3' is not installed")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")  # moto test dummies
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    return (f"s3://vericache-test/t{uuid.uuid4().hex[:10]}"
+            f"?endpoint_url={endpoint}&region=us-east-1")
+
+
+@pytest.fixture(scope="session")
+def nixl_server():
+    need(has_module("nixl"), "python package 'nixl' is not installed "
+         "(pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+    from storage_backends.nixl_server import NixlStoreServer
+
+    server = NixlStoreServer(capacity_bytes=96 << 20).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nixl_url(nixl_server):
+    return f"{nixl_server.url}?prefix=t{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture(params=["memory", "disk", "redis", "s3", "nixl"])
+def any_url(request):
+    """Each backend in turn."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test's own, killable (store-down faults)."""
+    r = RedisProcess(str(tmp_path))
+    yield r
+    r.kill()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that loads the real model is `slow` (make test-fast deselects them), whatever its file says."""
+    for item in items:
+        if "engine" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -29,12 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_demo(args) -> int:
-    from .demo import resolve_prompt, run_demo
-    from .engine import VeriCacheEngine
-    from .speculative import DecodeConfig
     from .compressors import get_compressor
-
-    from .draft_cache import DraftConfig
+    from .demo import resolve_prompt, run_demo
+    from .draft import DraftConfig
+    from .engine import DecodeConfig, VeriCacheEngine
 
     get_compressor(args.compressor)                  # fail fast on a bad spec, before loading the model
     draft = DraftConfig(layout=args.draft_layout, weights=args.draft_weights)
@@ -42,15 +40,16 @@ def cmd_demo(args) -> int:
                        k_min=min(2, args.draft_k), k_max=max(32, args.draft_k),
                        temperature=args.temperature, seed=args.seed)
     name, text = resolve_prompt(args.prompt, args.prompt_file)
-    engine = VeriCacheEngine.from_pretrained(args.model, draft=draft)
-    report = run_demo(engine, text, name, args.compressor, cfg, model_name=str(args.model or "smollm2-135m-instruct"))
+    engine = VeriCacheEngine.from_pretrained(args.model)
+    report = run_demo(engine, text, name, args.compressor, cfg, model_name=str(args.model or "smollm2-135m-instruct"),
+                      draft=draft)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
     return 0 if report.identical else 1
 
 
 def cmd_list(args) -> int:
     from .compressors import PRESETS, compressor_names
-    from .prompts import prompt_names
+    from .data import prompt_names
 
     print("compressors:", ", ".join(compressor_names()))
     print("presets:", ", ".join(f"{k} ({v})" for k, v in sorted(PRESETS.items())))

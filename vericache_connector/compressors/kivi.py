@@ -12,8 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kivi import (kivi_dequantize_keys, kivi_dequantize_values, kivi_quantize_keys,
-                          kivi_quantize_values, kivi_split)
+from vericache_kernels.kivi import (
+    kivi_dequantize_keys,
+    kivi_dequantize_values,
+    kivi_quantize_keys,
+    kivi_quantize_values,
+    kivi_split,
+)
 
 from .base import Compressor, LayeredKV, PrefixKV
 

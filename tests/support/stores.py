@@ -1,0 +1,198 @@
+"""Helpers for the tests that talk to stores: fault injectors (a private killable redis-server, a
+relay that drops connections, a server that never answers), random KV, and `need`.
+
+The store URL fixtures that use them live in tests/conftest.py. Servers come from .ci/services.sh:
+VERICACHE_REDIS_URL, VERICACHE_S3_ENDPOINT. A test whose server (or package) is missing is SKIPPED
+with the reason locally, and FAILS in CI (CI=true), so a broken CI setup cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def need(ok: bool, reason: str) -> None:
+    """Skip (locally) or fail (CI=true) unless ok."""
+    if not ok:
+        if IN_CI:
+            pytest.fail(f"required in CI: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+def run(coro, timeout: float = 120):
+    """Run a coroutine to completion in a fresh event loop, with an overall limit."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------- fault helpers
+class RedisProcess:
+    """A private redis-server on a free loopback port, killable by its PID."""
+
+    def __init__(self, tmpdir: str):
+        exe = shutil.which("redis-server")
+        need(exe is not None, "redis-server binary is not installed (apt-get install redis-server)")
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--dir", tmpdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            self.kill()
+            raise RuntimeError("private redis-server did not start")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class TcpProxy:
+    """Loopback TCP relay to target; close() drops every connection mid-transfer."""
+
+    def __init__(self, target_host: str, target_port: int):
+        self.target = (target_host, target_port)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.closed = False
+        self.bytes_relayed = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, 5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)  # the 5 s is for connecting: an idle pooled connection must stay up
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                self.bytes_relayed += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        for s in [self.sock, *self.conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+class SilentServer:
+    """Accepts TCP connections and never answers (a hung store)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+                self.conns.append(conn)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.closed = True
+        for s in [self.sock, *self.conns]:
+            s.close()
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening."""
+    return free_port()
+
+
+def random_kv(num_layers: int, heads: int, tokens: int, dim: int, dtype, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_layers):
+        k = torch.randn(heads, tokens, dim, generator=g)
+        v = torch.randn(heads, tokens, dim, generator=g)
+        out.append({"k": k.to(dtype), "v": v.to(dtype)})
+    return out
+
+
+def random_tokens(n: int, seed: int = 0) -> list[int]:
+    import random
+
+    rnd = random.Random(seed)
+    return [rnd.randrange(0, 49152) for _ in range(n)]
+
+
+def drop_memory_store(name: str) -> None:
+    """Forget the named in-process store (local://NAME), so tests do not share data."""
+    from storage_backends import local_connector
+
+    with local_connector._MEMORY_LOCK:
+        local_connector._MEMORY.pop(name, None)

@@ -1,0 +1,223 @@
+"""A small Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) with explicit, batched KV caches.
+
+nano-vllm style: plain modules, weights loaded from a Hugging Face safetensors directory. The engine
+needs control the Hugging Face cache classes do not give: one forward that writes new KV at a different
+offset per row, RoPE at true positions while attending over a token-dropped cache, and the last queries
+of the prefill (SnapKV/TOVA score the prefix with them).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache, RowCache
+from .model_loader import check_model_dir
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        mtype = cfg["model_type"]
+        return cls(
+            model_type=mtype, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            max_position=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", mtype == "qwen2"),
+            qk_norm=mtype == "qwen3", eos_token_ids=eos,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama-3 style frequency scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv.float()
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return (inv / sc["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_ctx = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise ValueError(f"rope scaling {kind!r} is not supported")
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate halves: x*cos + rotate_half(x)*sin, x [B, H, q, D], cos/sin [B, 1, q, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.h, self.hk, self.d = h, hk, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hk * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hk * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: RowCache, layer: int,
+                obs: list | None, obs_window: int) -> Tensor:
+        b, q, _ = x.shape
+        qs = self.q_proj(x).view(b, q, self.h, self.d).transpose(1, 2)
+        ks = self.k_proj(x).view(b, q, self.hk, self.d).transpose(1, 2)
+        vs = self.v_proj(x).view(b, q, self.hk, self.d).transpose(1, 2)
+        if self.q_norm is not None:
+            qs, ks = self.q_norm(qs), self.k_norm(ks)
+        qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
+        if obs is not None:
+            obs.append(qs[:, :, -obs_window:].detach().clone())
+        out = cache.attend(layer, qs, ks, vs)      # KVCache: SDPA; draft caches: the kernels' ops
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM. `forward` runs q new tokens per row against a RowCache (the full KVCache or a
+    draft cache of vericache_connector.draft) and returns logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, cache: RowCache,
+                obs_window: int = 0, last_only: bool = False) -> tuple[Tensor, list[Tensor] | None]:
+        """input_ids/positions [B, q]; writes KV, advances cache.lengths by q.
+        Returns logits [B, q, V] (float32; only the last position if last_only) and, when obs_window>0,
+        the last obs_window post-RoPE queries of every layer ([B, H, W, D] each)."""
+        freqs = positions[..., None].float() * self.inv_freq                   # [B, q, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                        # [B, 1, q, D]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        obs = [] if obs_window > 0 else None
+        x = self.embed_tokens(input_ids)
+        q = input_ids.shape[1]
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, obs, obs_window)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.advance(q)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float(), obs
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | None = None) -> CausalLM:
+    """Load a checkpoint directory. Defaults: float32 on CPU, bfloat16 on CUDA."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir)
+    cfg = ModelConfig.from_dict(check_model_dir(path))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos if isinstance(eos, list) else [eos])))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(f))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValueError(f"{str(path)!r}: weights missing for {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    return model.to(device=device, dtype=dtype).eval()

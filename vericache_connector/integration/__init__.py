@@ -1,0 +1,1 @@
+"""Integrations with serving systems (vllm/: the vLLM KV connector and proposer)."""

@@ -1,0 +1,78 @@
+"""DraftHandoff: compressed prefixes passed from the connector's worker side to the proposer.
+
+Both live in one vLLM worker process but vLLM builds them separately: the proposer with the model
+runner, the connector later (once the KV cache is sized). The connector's worker side creates the one
+DraftHandoff (only when the speculative config names our proposer); the proposer finds it through
+vLLM's own connector registry (find_handoff: get_kv_transfer_group(), looking inside MultiConnector)
+and attaches itself. The connector posts what it has: on a hit the compressed copy it fetched before
+the full copy (with a pre-draft request, so drafting runs while the full copy loads); on a miss the
+copy it has just compressed and saved. Posts are kept (bounded, oldest dropped) until a proposer
+matches them to a running request, so an early post is not lost before the proposer attaches.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Protocol
+
+from ...compressors import CompressedKV
+
+HANDOFF_CAPACITY = 32    # compressed prefixes kept for the proposer
+
+
+class Drafter(Protocol):
+    def predraft(self, prompt: list[int], prefix_len: int, compressed: CompressedKV,
+                 loaded: threading.Event | None) -> None: ...
+
+
+class DraftHandoff:
+    def __init__(self, capacity: int = HANDOFF_CAPACITY):
+        if capacity < 1:
+            raise ValueError(f"handoff capacity must be >= 1, got {capacity}")
+        self.capacity, self.lock = capacity, threading.Lock()
+        self.prefixes: OrderedDict[tuple[int, tuple[int, ...]], CompressedKV] = OrderedDict()
+        self.drafter: Drafter | None = None
+
+    def attach(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def post(self, prefix: list[int], compressed: CompressedKV, predraft_prompt: list[int] | None = None,
+             loaded: threading.Event | None = None) -> None:
+        """Offer `compressed` (the copy of `prefix`); with predraft_prompt, ask an attached proposer to
+        draft that prompt's continuation until `loaded` is set."""
+        with self.lock:
+            self.prefixes[(len(prefix), tuple(prefix))] = compressed
+            self.prefixes.move_to_end((len(prefix), tuple(prefix)))
+            while len(self.prefixes) > self.capacity:
+                self.prefixes.popitem(last=False)
+        drafter = self.drafter
+        if predraft_prompt is not None and drafter is not None:
+            drafter.predraft(predraft_prompt, len(prefix), compressed, loaded)
+
+    def find(self, tokens: list[int]) -> tuple[int, CompressedKV] | None:
+        """The longest posted prefix of tokens that leaves at least one token after it."""
+        with self.lock:
+            for n in sorted({n for n, _ in self.prefixes if n < len(tokens)}, reverse=True):
+                got = self.prefixes.get((n, tuple(tokens[:n])))
+                if got is not None:
+                    return n, got
+        return None
+
+
+def find_handoff() -> DraftHandoff | None:
+    """The DraftHandoff of this process's VeriCacheConnector, if vLLM runs one (None before the
+    connector exists, or without it)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    if not has_kv_transfer_group():
+        return None
+    todo = [get_kv_transfer_group()]
+    while todo:
+        conn = todo.pop()
+        handoff = getattr(conn, "draft_handoff", None)
+        if isinstance(handoff, DraftHandoff):
+            return handoff
+        todo.extend(getattr(conn, "_connectors", None) or [])     # MultiConnector
+    return None
