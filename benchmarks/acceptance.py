@@ -7,6 +7,7 @@ draft length into results/acceptance/<stamp>/ with the exact command.
     python benchmarks/acceptance.py                       # the issue's table: 6 compressors x k=4..32
     python benchmarks/acceptance.py --compressors kivi4 --ks 32 --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,13 +76,13 @@ def main(argv=None) -> int:
     comps = [get_compressor(c) for c in args.compressors]
     from vericache_connector.draft import DraftConfig
 
-    engine = VeriCacheEngine.from_pretrained(args.model, draft=DraftConfig(args.draft_layout, args.draft_dtype,
-                                                                           weights=args.draft_weights))
+    engine = VeriCacheEngine.from_pretrained(
+        args.model, draft=DraftConfig(args.draft_layout, args.draft_dtype, weights=args.draft_weights)
+    )
     layout = engine.draft.resolve_layout(engine.model.device)
     texts = load_prompts()
     pre = [engine.prefill(engine.encode(t)) for t in tqdm(texts.values(), desc="prefill", leave=False)]
-    base = DecodeConfig(max_new_tokens=args.new_tokens, draft_k=max(args.ks), k_max=max(args.ks),
-                        stop_at_eos=False)
+    base = DecodeConfig(max_new_tokens=args.new_tokens, draft_k=max(args.ks), k_max=max(args.ks), stop_at_eos=False)
     t = time.perf_counter()
     reference = engine.generate_full(pre, base)
     full_s = time.perf_counter() - t
@@ -90,37 +91,58 @@ def main(argv=None) -> int:
         for name, comp in zip(args.compressors, comps):
             compressed = [comp.compress(p.prefix) for p in pre]
             for k in args.ks:
-                cfg = DecodeConfig(max_new_tokens=args.new_tokens, draft_k=k, k_min=1, k_max=max(args.ks),
-                                   stop_at_eos=False)
+                cfg = DecodeConfig(
+                    max_new_tokens=args.new_tokens, draft_k=k, k_min=1, k_max=max(args.ks), stop_at_eos=False
+                )
                 t = time.perf_counter()
                 outs, stats = engine.generate(pre, compressed, cfg)
                 per_prompt = [sum(a) / max(1, len(a)) for a in stats.accepted]
-                rows.append({"compressor": name, "k": k, "mean_accepted": stats.mean_accepted(),
-                             "mean_accepted_per_prompt": sum(per_prompt) / len(per_prompt),
-                             "per_prompt": per_prompt,
-                             "identical": sum(o == r for o, r in zip(outs, reference)), "prompts": len(pre),
-                             "bytes_ratio": sum(c.nbytes for c in compressed) / sum(p.prefix.nbytes for p in pre),
-                             "seconds": time.perf_counter() - t})
+                rows.append(
+                    {
+                        "compressor": name,
+                        "k": k,
+                        "mean_accepted": stats.mean_accepted(),
+                        "mean_accepted_per_prompt": sum(per_prompt) / len(per_prompt),
+                        "per_prompt": per_prompt,
+                        "identical": sum(o == r for o, r in zip(outs, reference)),
+                        "prompts": len(pre),
+                        "bytes_ratio": sum(c.nbytes for c in compressed) / sum(p.prefix.nbytes for p in pre),
+                        "seconds": time.perf_counter() - t,
+                    }
+                )
                 rows[-1]["speedup_vs_full"] = full_s / rows[-1]["seconds"]
                 bar.update(1)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     lens = [p.num_tokens for p in pre]
-    header = ("| compressor | bytes vs full | " + " | ".join(f"k={k}" for k in args.ks) + " | "
-              + " | ".join(f"speed k={k}" for k in args.ks) + " | identical |")
-    lines = [f"Mean accepted drafts per verification, greedy, {len(pre)} prompts of {min(lens)}-{max(lens)} "
-             f"tokens, {args.new_tokens} new tokens, draft layout {layout} ({args.draft_dtype}), "
-             f"draft weights {args.draft_weights}. Each cell: pooled over all verifications / mean of the "
-             f"per-prompt means. speed = full-KV greedy decode time / VeriCache decode time, same prompts, "
-             f"same process (batched, {torch_threads()} threads). Command: `{cmd}`", "", header,
-             "|" + "---|" * (2 * len(args.ks) + 3)]
+    header = (
+        "| compressor | bytes vs full | "
+        + " | ".join(f"k={k}" for k in args.ks)
+        + " | "
+        + " | ".join(f"speed k={k}" for k in args.ks)
+        + " | identical |"
+    )
+    lines = [
+        f"Mean accepted drafts per verification, greedy, {len(pre)} prompts of {min(lens)}-{max(lens)} "
+        f"tokens, {args.new_tokens} new tokens, draft layout {layout} ({args.draft_dtype}), "
+        f"draft weights {args.draft_weights}. Each cell: pooled over all verifications / mean of the "
+        f"per-prompt means. speed = full-KV greedy decode time / VeriCache decode time, same prompts, "
+        f"same process (batched, {torch_threads()} threads). Command: `{cmd}`",
+        "",
+        header,
+        "|" + "---|" * (2 * len(args.ks) + 3),
+    ]
     for name in args.compressors:
         rs = [r for r in rows if r["compressor"] == name]
         ident = min(r["identical"] for r in rs)
-        lines.append(f"| {name} | {rs[0]['bytes_ratio']:.3f} | " + " | ".join(f"{r['mean_accepted']:.1f} / {r['mean_accepted_per_prompt']:.1f}" for r in rs)
-                     + " | " + " | ".join(f"{r['speedup_vs_full']:.2f}x" for r in rs)
-                     + f" | {ident}/{len(pre)} |")
+        lines.append(
+            f"| {name} | {rs[0]['bytes_ratio']:.3f} | "
+            + " | ".join(f"{r['mean_accepted']:.1f} / {r['mean_accepted_per_prompt']:.1f}" for r in rs)
+            + " | "
+            + " | ".join(f"{r['speedup_vs_full']:.2f}x" for r in rs)
+            + f" | {ident}/{len(pre)} |"
+        )
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({"command": cmd, "prompt_tokens": lens, "rows": rows}, indent=2))

@@ -29,6 +29,7 @@ ratios (streamingllm, snapkv, tova, knorm) do not depend on the dtype.
     python benchmarks/cost_model.py --measured results/side_by_side/<stamp>/results.json
     python benchmarks/cost_model.py --measured results/acceptance/<stamp>/results.json --context 32768 --batch 1 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,9 @@ GBIT = 1e9 / 8
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    hbm_bytes_per_s: float          # per GPU
-    flops: float                    # dense bf16 FLOP/s per GPU
-    hbm_bytes: float                # capacity per GPU
+    hbm_bytes_per_s: float  # per GPU
+    flops: float  # dense bf16 FLOP/s per GPU
+    hbm_bytes: float  # capacity per GPU
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Model:
     layers: int
     kv_heads: int
     head_dim: int
-    tp: int = 1                     # GPUs the model is sharded over (tensor parallel)
+    tp: int = 1  # GPUs the model is sharded over (tensor parallel)
     bytes_per_param: int = 2
     kv_bytes_per_elem: int = 2
 
@@ -80,21 +81,22 @@ class Link:
 class Drafting:
     """What was measured: the compressor, the draft horizon k, the mean accepted drafts per verification
     (at k, and optionally at k_max for the long first round), and the compressed/full byte ratio."""
+
     compressor: str
     k: int
     accepted: float
     compression: float
     k_max: int = 32
-    accepted_at_k_max: float | None = None   # default: same acceptance RATE as at k, capped by k_max
+    accepted_at_k_max: float | None = None  # default: same acceptance RATE as at k, capped by k_max
 
 
 @dataclass(frozen=True)
 class Workload:
-    context: int = 16384            # prefix tokens per request (all fetched)
+    context: int = 16384  # prefix tokens per request (all fetched)
     batch: int = 1
     new_tokens: int = 256
     compressed_local_bytes_per_s: float | None = None  # compressed copy on its own path (e.g. host DRAM
-                                                       # over PCIe), fetched in parallel with the full copy
+    # over PCIe), fetched in parallel with the full copy
 
 
 HARDWARE = {
@@ -107,8 +109,10 @@ MODELS = {
     "llama3.3-70b": Model("Llama-3.3-70B", 70.6e9, 80, 8, 128, tp=2),
 }
 LINKS = {
-    "25GbE": Link("25 Gbit/s", 25 * GBIT), "100GbE": Link("100 Gbit/s", 100 * GBIT),
-    "400GbE": Link("400 Gbit/s", 400 * GBIT), "PCIe5x16": Link("PCIe 5 x16", 64e9),
+    "25GbE": Link("25 Gbit/s", 25 * GBIT),
+    "100GbE": Link("100 Gbit/s", 100 * GBIT),
+    "400GbE": Link("400 Gbit/s", 400 * GBIT),
+    "PCIe5x16": Link("PCIe 5 x16", 64e9),
 }
 # Used when no --measured file is given: SmolLM2-135M, greedy, kivi4 and snapkv-4x (benchmarks/README.md).
 BUILTIN = [Drafting("kivi4", 8, 6.5, 0.181 * 2, 32, None), Drafting("snapkv-4x", 8, 5.0, 0.252, 32, None)]
@@ -158,12 +162,12 @@ def predict(hw: Hardware, m: Model, link: Link, d: Drafting, w: Workload) -> Pre
     full = pass_s(hw, m, kv_full, w.batch)
     draft = pass_s(hw, m, d.compression * kv_full, w.batch)
     verify = pass_s(hw, m, kv_full, w.batch * (d.k + 1))
-    vc_tok = (d.k * draft + verify) / (min(d.accepted, d.k) + 1)     # at most k drafts can be accepted
+    vc_tok = (d.k * draft + verify) / (min(d.accepted, d.k) + 1)  # at most k drafts can be accepted
     x_full = kv_full / link.bytes_per_s
-    if w.compressed_local_bytes_per_s:       # separate path, in parallel: the full copy is not delayed
+    if w.compressed_local_bytes_per_s:  # separate path, in parallel: the full copy is not delayed
         x_comp = d.compression * kv_full / w.compressed_local_bytes_per_s
         full_in = x_full
-    else:                                    # the implementation: same link, compressed copy first
+    else:  # the implementation: same link, compressed copy first
         x_comp = d.compression * x_full
         full_in = x_comp + x_full
     # full-KV: wait for the whole copy, then N plain steps
@@ -175,21 +179,39 @@ def predict(hw: Hardware, m: Model, link: Link, d: Drafting, w: Workload) -> Pre
     tokens1 = min(k1, accepted_at(d, k1)) + 1
     e2e_vc = ttft_vc + max(0.0, w.new_tokens - tokens1) * vc_tok
     need = m.weight_bytes + kv_full * (1 + d.compression)
-    return Prediction(m.name, hw.name, link.name, d.compressor, d.k, w.context, w.batch,
-                      need <= hw.hbm_bytes * m.tp, full * 1e3, draft * 1e3, verify * 1e3, vc_tok * 1e3,
-                      full / vc_tok, x_full, ttft_full, ttft_vc, e2e_full, e2e_vc, e2e_full / e2e_vc)
+    return Prediction(
+        m.name,
+        hw.name,
+        link.name,
+        d.compressor,
+        d.k,
+        w.context,
+        w.batch,
+        need <= hw.hbm_bytes * m.tp,
+        full * 1e3,
+        draft * 1e3,
+        verify * 1e3,
+        vc_tok * 1e3,
+        full / vc_tok,
+        x_full,
+        ttft_full,
+        ttft_vc,
+        e2e_full,
+        e2e_vc,
+        e2e_full / e2e_vc,
+    )
 
 
 def load_measured(path: Path, ks: list[int] | None = None) -> list[Drafting]:
     """Drafting figures from a results.json of side_by_side.py (vericache rows) or acceptance.py."""
     data = json.loads(Path(path).read_text())
-    kv_elem = 4 if data.get("kv_bytes_per_token", 46080) == 46080 else 2   # CPU SmolLM2 runs are float32
+    kv_elem = 4 if data.get("kv_bytes_per_token", 46080) == 46080 else 2  # CPU SmolLM2 runs are float32
     acc: dict = {}
     ratio: dict = {}
     for r in data["rows"]:
-        if "mean_accepted" in r:                                   # acceptance.py
+        if "mean_accepted" in r:  # acceptance.py
             comp, k, a = r["compressor"], str(r["k"]), r["mean_accepted"]
-        elif r.get("method") == "vericache" and r.get("accepted") is not None:   # side_by_side.py
+        elif r.get("method") == "vericache" and r.get("accepted") is not None:  # side_by_side.py
             comp, k = r["compressor"], str(r["k"])
             a = r["accepted_at_k"] if r.get("accepted_at_k") is not None else r["accepted"]
         else:
@@ -214,14 +236,18 @@ def load_measured(path: Path, ks: list[int] | None = None) -> list[Drafting]:
 
 
 def table(preds: list[Prediction]) -> str:
-    lines = ["| model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms "
-             "| VC ms/tok | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup** |",
-             "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms "
+        "| VC ms/tok | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup** |",
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for p in preds:
-        lines.append(f"| {p.model} | {p.hardware} | {p.link} | {p.compressor} | {p.k} | {p.context} | {p.batch} "
-                     f"| {'yes' if p.fits else 'NO'} | {p.full_step_ms:.2f} | {p.draft_step_ms:.2f} "
-                     f"| {p.verify_step_ms:.2f} | {p.vc_token_ms:.2f} | **{p.decode_speedup:.2f}x** "
-                     f"| {p.transfer_full_s:.3f} | {p.ttft_full_s:.3f} | {p.ttft_vc_s:.3f} | **{p.e2e_speedup:.2f}x** |")
+        lines.append(
+            f"| {p.model} | {p.hardware} | {p.link} | {p.compressor} | {p.k} | {p.context} | {p.batch} "
+            f"| {'yes' if p.fits else 'NO'} | {p.full_step_ms:.2f} | {p.draft_step_ms:.2f} "
+            f"| {p.verify_step_ms:.2f} | {p.vc_token_ms:.2f} | **{p.decode_speedup:.2f}x** "
+            f"| {p.transfer_full_s:.3f} | {p.ttft_full_s:.3f} | {p.ttft_vc_s:.3f} | **{p.e2e_speedup:.2f}x** |"
+        )
     return "\n".join(lines)
 
 
@@ -235,28 +261,42 @@ def main(argv=None) -> int:
     p.add_argument("--context", nargs="+", type=int, default=[16384, 131072])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--compressed-local", choices=list(LINKS), default=None,
-                   help="the compressed copy comes over this separate path in parallel (default: same link)")
+    p.add_argument(
+        "--compressed-local",
+        choices=list(LINKS),
+        default=None,
+        help="the compressed copy comes over this separate path in parallel (default: same link)",
+    )
     p.add_argument("--out", default="results/cost_model")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     local = LINKS[args.compressed_local].bytes_per_s if args.compressed_local else None
     drafts = load_measured(args.measured, args.ks) if args.measured else BUILTIN
-    preds = [predict(HARDWARE[h], MODELS[m], LINKS[ln], d, Workload(t, b, args.new_tokens,
-                                                                       local))
-             for m in args.models for h in args.hardware for ln in args.links for d in drafts
-             for t in args.context for b in args.batch]
+    preds = [
+        predict(HARDWARE[h], MODELS[m], LINKS[ln], d, Workload(t, b, args.new_tokens, local))
+        for m in args.models
+        for h in args.hardware
+        for ln in args.links
+        for d in drafts
+        for t in args.context
+        for b in args.batch
+    ]
     cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     src = args.measured or "built-in figures"
-    head = (f"Cost model (roofline, memory-bound decode; see benchmarks/cost_model.py). Acceptance and compression "
-            f"from {src}; {args.new_tokens} new tokens; compressed copy "
-            f"{'over ' + args.compressed_local + ' in parallel' if args.compressed_local else 'first, on the same link'}. Command: `{cmd}`")
+    head = (
+        f"Cost model (roofline, memory-bound decode; see benchmarks/cost_model.py). Acceptance and compression "
+        f"from {src}; {args.new_tokens} new tokens; compressed copy "
+        f"{'over ' + args.compressed_local + ' in parallel' if args.compressed_local else 'first, on the same link'}. Command: `{cmd}`"
+    )
     text = head + "\n\n" + table(preds)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"command": cmd, "drafting": [asdict(d) for d in drafts],
-                                                  "rows": [asdict(x) for x in preds]}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps(
+            {"command": cmd, "drafting": [asdict(d) for d in drafts], "rows": [asdict(x) for x in preds]}, indent=2
+        )
+    )
     (out / "command.txt").write_text(cmd + "\n")
     print(json.dumps([asdict(x) for x in preds], indent=2) if args.json else text)
     print(f"wrote {out}", file=sys.stderr)

@@ -30,6 +30,7 @@ figure on a shared machine) over --steps after a warm-up; ratios of both.
 The draft logits of each layout are compared with the materialized draft's (max |diff|, same argmax).
 Writes results/engine_step_time/<stamp>/: command.txt, results.json, table.md, step_ratio.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,19 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--compressors", nargs="+", default=DEFAULT_COMPRESSORS)
-    p.add_argument("--layouts", nargs="+", default=["auto", "materialized"],
-                   help="draft layouts per compressor: auto, paged, dense, packed, materialized; "
-                        "LAYOUT:DTYPE sets DraftConfig.dtype too, e.g. paged:fp8_e4m3")
-    p.add_argument("--weights", nargs="+", default=["model", "int8"],
-                   help="draft weights per compressor x layout: model, bfloat16, int8 (DraftConfig.weights)")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["auto", "materialized"],
+        help="draft layouts per compressor: auto, paged, dense, packed, materialized; "
+        "LAYOUT:DTYPE sets DraftConfig.dtype too, e.g. paged:fp8_e4m3",
+    )
+    p.add_argument(
+        "--weights",
+        nargs="+",
+        default=["model", "int8"],
+        help="draft weights per compressor x layout: model, bfloat16, int8 (DraftConfig.weights)",
+    )
     p.add_argument("--steps", type=int, default=7, help="timed steps per variant (after one warm-up)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-full-dense", action="store_true", help="skip the full/dense-f32, -f16 rows")
@@ -105,26 +114,54 @@ def build_variants(engine, pre, args) -> list[dict]:
     from vericache_connector.compressors import get_compressor
     from vericache_connector.draft import DraftConfig
 
-    out = [{"name": "full", "compressor": "-", "layout": "full", "cache": engine.full_cache([pre], 2),
-            "model": engine.model}]
+    out = [
+        {
+            "name": "full",
+            "compressor": "-",
+            "layout": "full",
+            "cache": engine.full_cache([pre], 2),
+            "model": engine.model,
+        }
+    ]
     if not args.no_full_dense:
         for tag, dt in (("f32", "float32"), ("f16", "float16")):
             cache = engine.draft_cache([Uncompressed(pre.prefix)], 2, DraftConfig(layout="dense", dtype=dt))
-            out.append({"name": f"full/dense-{tag}", "compressor": "-", "layout": f"dense-{tag}", "cache": cache,
-                        "model": engine.model})
-        for w in args.weights:      # the UNcompressed KV with cheaper draft weights: the weights' share
+            out.append(
+                {
+                    "name": f"full/dense-{tag}",
+                    "compressor": "-",
+                    "layout": f"dense-{tag}",
+                    "cache": cache,
+                    "model": engine.model,
+                }
+            )
+        for w in args.weights:  # the UNcompressed KV with cheaper draft weights: the weights' share
             if w != "model":
                 cfg = DraftConfig(layout="materialized", weights=w)
-                out.append({"name": f"full+{w}", "compressor": "-", "layout": f"full+{w}", "model":
-                            engine.draft_model(cfg), "cache": engine.draft_cache([Uncompressed(pre.prefix)], 2, cfg)})
+                out.append(
+                    {
+                        "name": f"full+{w}",
+                        "compressor": "-",
+                        "layout": f"full+{w}",
+                        "model": engine.draft_model(cfg),
+                        "cache": engine.draft_cache([Uncompressed(pre.prefix)], 2, cfg),
+                    }
+                )
     for name in args.compressors:
         comp = get_compressor(name).compress(pre.prefix)
         for layout in args.layouts:
             for w in args.weights:
                 cfg = DraftConfig(*layout.split(":"), weights=w)
-                out.append({"name": f"{name}/{layout}" + ("" if w == "model" else f"+{w}"), "compressor": name,
-                            "layout": layout, "weights": w, "model": engine.draft_model(cfg),
-                            "cache": engine.draft_cache([comp], 2, cfg)})
+                out.append(
+                    {
+                        "name": f"{name}/{layout}" + ("" if w == "model" else f"+{w}"),
+                        "compressor": name,
+                        "layout": layout,
+                        "weights": w,
+                        "model": engine.draft_model(cfg),
+                        "cache": engine.draft_cache([comp], 2, cfg),
+                    }
+                )
     return out
 
 
@@ -134,8 +171,10 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
     pre = engine.prefill(context_ids(engine, t - 1))
     variants = build_variants(engine, pre, args)
     g = torch.Generator().manual_seed(t)
-    qkv = [[torch.randn(1, h, 1, cfg.head_dim, generator=g).to(model.dtype) for _ in range(cfg.num_layers)]
-           for h in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)]
+    qkv = [
+        [torch.randn(1, h, 1, cfg.head_dim, generator=g).to(model.dtype) for _ in range(cfg.num_layers)]
+        for h in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+    ]
     dev = model.device
     qkv = [[x.to(dev) for x in xs] for xs in qkv]
     tok, pos = torch.tensor([[int(pre.logits.argmax())]], device=dev), torch.tensor([[t - 1]], device=dev)
@@ -161,7 +200,7 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
 
     for v in variants:
         v.update(step_s=[], attn_s=[])
-    for rnd in range(args.steps + 1):                  # round 0: warm-up, keeps the logits
+    for rnd in range(args.steps + 1):  # round 0: warm-up, keeps the logits
         for v in variants:
             dt, logits = step(v["cache"], v["model"])
             da = attn(v["cache"], v["model"].dtype)
@@ -174,16 +213,33 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
     full = variants[0]
     rows = []
     for v in variants:
-        ref = next((u for u in variants if u["compressor"] == v["compressor"] and u["layout"] == "materialized"
-                    and u.get("weights", "model") == "model"),
-                   full if v["compressor"] == "-" else None)
+        ref = next(
+            (
+                u
+                for u in variants
+                if u["compressor"] == v["compressor"]
+                and u["layout"] == "materialized"
+                and u.get("weights", "model") == "model"
+            ),
+            full if v["compressor"] == "-" else None,
+        )
         diff = None if ref is None else float((v["logits"] - ref["logits"]).abs().max())
         same = None if ref is None else bool(v["logits"].argmax() == ref["logits"].argmax())
-        rows.append({"context": t, "variant": v["name"], "compressor": v["compressor"], "layout": v["layout"],
-                     "step_ms": 1e3 * statistics.median(v["step_s"]), "step_ms_min": 1e3 * min(v["step_s"]),
-                     "attn_ms": 1e3 * statistics.median(v["attn_s"]), "attn_ms_min": 1e3 * min(v["attn_s"]),
-                     "bytes_read": v["cache"].nbytes, "logits_max_abs_diff_vs_materialized": diff,
-                     "same_argmax": same})
+        rows.append(
+            {
+                "context": t,
+                "variant": v["name"],
+                "compressor": v["compressor"],
+                "layout": v["layout"],
+                "step_ms": 1e3 * statistics.median(v["step_s"]),
+                "step_ms_min": 1e3 * min(v["step_s"]),
+                "attn_ms": 1e3 * statistics.median(v["attn_s"]),
+                "attn_ms_min": 1e3 * min(v["attn_s"]),
+                "bytes_read": v["cache"].nbytes,
+                "logits_max_abs_diff_vs_materialized": diff,
+                "same_argmax": same,
+            }
+        )
     for key in ("step_ms", "step_ms_min", "attn_ms", "attn_ms_min"):
         ratio = key.replace("_ms", "_ratio")
         for r in rows:
@@ -200,20 +256,22 @@ def plot(rows, path: Path) -> None:
 
     contexts = sorted({r["context"] for r in rows})
     rest = [r for r in rows if r["variant"] != "full"]
-    group = lambda r: "uncompressed" if r["compressor"] == "-" else r["compressor"]       # noqa: E731
-    series = lambda r: r["variant"].split("/", 1)[-1]                                    # noqa: E731
+    group = lambda r: "uncompressed" if r["compressor"] == "-" else r["compressor"]  # noqa: E731
+    series = lambda r: r["variant"].split("/", 1)[-1]  # noqa: E731
     groups = list(dict.fromkeys(group(r) for r in rest))
     names = list(dict.fromkeys(series(r) for r in rest))
     width = 0.85 / len(names)
     colors = plt.get_cmap("tab20")
     fig, axes = plt.subplots(2, len(contexts), figsize=(7 * len(contexts), 8), sharey=True, squeeze=False)
-    for row, (key, what) in enumerate((("step_ratio", "whole decode step"),
-                                       ("attn_ratio", "attention part (cache.attend x layers)"))):
+    for row, (key, what) in enumerate(
+        (("step_ratio", "whole decode step"), ("attn_ratio", "attention part (cache.attend x layers)"))
+    ):
         for col, t in enumerate(contexts):
             ax = axes[row][col]
             for i, n in enumerate(names):
-                pts = [(groups.index(group(r)) + i * width, r[key]) for r in rest
-                       if r["context"] == t and series(r) == n]
+                pts = [
+                    (groups.index(group(r)) + i * width, r[key]) for r in rest if r["context"] == t and series(r) == n
+                ]
                 if pts:
                     ax.bar(*zip(*pts), width, color=colors(i % 20), label=n)
             ax.axhline(1.0, color="k", lw=0.8, ls=":")
@@ -228,17 +286,24 @@ def plot(rows, path: Path) -> None:
 
 
 def table(rows, header: str) -> str:
-    lines = [header, "", "| T | variant | step ms (median / min) | step / full (median / min) | attn ms "
-             "(median / min) | attn / full (median / min) | KV bytes read | max abs logit diff vs materialized "
-             "| same argmax |", "|" + "---|" * 9]
+    lines = [
+        header,
+        "",
+        "| T | variant | step ms (median / min) | step / full (median / min) | attn ms "
+        "(median / min) | attn / full (median / min) | KV bytes read | max abs logit diff vs materialized "
+        "| same argmax |",
+        "|" + "---|" * 9,
+    ]
     for r in rows:
         d = r["logits_max_abs_diff_vs_materialized"]
         diff = "-" if d is None else f"{d:.1e}"
         same = "-" if r["same_argmax"] is None else ("yes" if r["same_argmax"] else "no")
-        lines.append(f"| {r['context']} | {r['variant']} | {r['step_ms']:.1f} / {r['step_ms_min']:.1f} | "
-                     f"**{r['step_ratio']:.2f}** / {r['step_ratio_min']:.2f} | {r['attn_ms']:.1f} / "
-                     f"{r['attn_ms_min']:.1f} | **{r['attn_ratio']:.2f}** / {r['attn_ratio_min']:.2f} | "
-                     f"{r['bytes_read'] / 2**20:.0f} MiB | {diff} | {same} |")
+        lines.append(
+            f"| {r['context']} | {r['variant']} | {r['step_ms']:.1f} / {r['step_ms_min']:.1f} | "
+            f"**{r['step_ratio']:.2f}** / {r['step_ratio_min']:.2f} | {r['attn_ms']:.1f} / "
+            f"{r['attn_ms_min']:.1f} | **{r['attn_ratio']:.2f}** / {r['attn_ratio_min']:.2f} | "
+            f"{r['bytes_read'] / 2**20:.0f} MiB | {diff} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -251,22 +316,33 @@ def main(argv=None) -> int:
     engine = VeriCacheEngine.from_pretrained(args.model)
     for t in args.contexts:
         engine.check_length(t - 1, 1)
-    n_var = (1 + (0 if args.no_full_dense else 2 + sum(w != "model" for w in args.weights))
-             + len(args.compressors) * len(args.layouts) * len(args.weights))
+    n_var = (
+        1
+        + (0 if args.no_full_dense else 2 + sum(w != "model" for w in args.weights))
+        + len(args.compressors) * len(args.layouts) * len(args.weights)
+    )
     rows = []
     with tqdm(total=len(args.contexts) * n_var * (args.steps + 1), desc="variant x step", unit="step") as bar:
         for t in args.contexts:
             bar.set_postfix(context=t)
             rows += time_context(engine, t, args, bar)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    header = (f"One decode step (batch 1, {engine.model_name}, {engine.model.dtype}, {engine.model.device}, "
-              f"{args.threads} threads, torch {torch.__version__}); medians of {args.steps} round-robin steps. "
-              f"step = whole forward (reads all weights too), attn = the 30 layers' cache.attend only. "
-              f"Ratios over the full-KV step at the same T. Command: `{cmd}`")
+    header = (
+        f"One decode step (batch 1, {engine.model_name}, {engine.model.dtype}, {engine.model.device}, "
+        f"{args.threads} threads, torch {torch.__version__}); medians of {args.steps} round-robin steps. "
+        f"step = whole forward (reads all weights too), attn = the 30 layers' cache.attend only. "
+        f"Ratios over the full-KV step at the same T. Command: `{cmd}`"
+    )
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"command": cmd, "device": str(engine.model.device), "threads": args.threads, "torch": torch.__version__,
-           "model": engine.model_name, "rows": rows}
+    doc = {
+        "command": cmd,
+        "device": str(engine.model.device),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "model": engine.model_name,
+        "rows": rows,
+    }
     (out / "command.txt").write_text(cmd + "\n")
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     (out / "table.md").write_text(table(rows, header) + "\n")

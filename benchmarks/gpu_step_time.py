@@ -12,6 +12,7 @@ and predicts VeriCache's decode speedup for an acceptance a at horizon k:
 
     python benchmarks/gpu_step_time.py --json            # on a GPU (one device call with gpu_check.sh)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,36 @@ def build(layers: int, smoke: bool, device: str, dtype: torch.dtype):
     bench_paths.setup()
     from vericache_connector.engine.model import CausalLM, ModelConfig
 
-    big = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-               head_dim=128, max_position=131072)
-    tiny = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
-                head_dim=32, max_position=8192)
-    cfg = ModelConfig(model_type="llama", num_layers=layers, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling=None, tie_word_embeddings=False, attention_bias=False, qk_norm=False,
-                      eos_token_ids=(), **(tiny if smoke else big))
+    big = dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position=131072,
+    )
+    tiny = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position=8192,
+    )
+    cfg = ModelConfig(
+        model_type="llama",
+        num_layers=layers,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        eos_token_ids=(),
+        **(tiny if smoke else big),
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = CausalLM(cfg).to(dtype)
@@ -72,8 +96,11 @@ def step_times(model, ctx: int, batch: int, k: int, device: str, reps: int) -> d
         model(ids[:, :q], base[:, None] + torch.arange(q, device=device)[None], cache)
         cache.lengths = base
 
-    return {"full_s": timed(lambda: run(full, 1), device, reps), "drop4x_s": timed(lambda: run(drop, 1), device, reps),
-            "verify_s": timed(lambda: run(full, k + 1), device, reps)}
+    return {
+        "full_s": timed(lambda: run(full, 1), device, reps),
+        "drop4x_s": timed(lambda: run(drop, 1), device, reps),
+        "verify_s": timed(lambda: run(full, k + 1), device, reps),
+    }
 
 
 def main(argv=None) -> int:
@@ -106,8 +133,10 @@ def main(argv=None) -> int:
         print("| context | batch | full ms | draft 4x ms | verify ms | draft/full | predicted speedup |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['context']} | {r['batch']} | {r['full_s'] * 1e3:.2f} | {r['drop4x_s'] * 1e3:.2f} | "
-                  f"{r['verify_s'] * 1e3:.2f} | {r['draft_over_full']:.2f} | {r['predicted_speedup']:.2f}x |")
+            print(
+                f"| {r['context']} | {r['batch']} | {r['full_s'] * 1e3:.2f} | {r['drop4x_s'] * 1e3:.2f} | "
+                f"{r['verify_s'] * 1e3:.2f} | {r['draft_over_full']:.2f} | {r['predicted_speedup']:.2f}x |"
+            )
     return 0
 
 

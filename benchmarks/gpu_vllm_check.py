@@ -9,6 +9,7 @@ Random weights: acceptance says little here (the drafts come from the same rando
 accepted about as often as the compressor preserves its argmax); identity and latency are the point.
 Prompts are token ids, so the server runs with --skip-tokenizer-init and needs no tokenizer files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,21 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads (head_dim 64)
 def build_model(size: str, dest: Path, seed: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     hidden, inter, layers, heads, kv = SIZES[size]
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger than the init default, so that the argmax is not a coin toss
@@ -58,18 +70,27 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_server import ServerConfig, VLLMServer
+
     size = "tiny" if args.tiny else "1b"
     work = Path(tempfile.mkdtemp(prefix="vericache-gpu-vllm-"))
     t0 = time.perf_counter()
     build_model(size, work / "model")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 49000, (n,), generator=g).tolist() for n in args.tokens]
-    common = dict(model=str(work / "model"), dtype="float32" if args.tiny else "bfloat16",
-                  max_model_len=max(args.tokens) + args.new + 64, extra_args=["--skip-tokenizer-init"])
+    common = dict(
+        model=str(work / "model"),
+        dtype="float32" if args.tiny else "bfloat16",
+        max_model_len=max(args.tokens) + args.new + 64,
+        extra_args=["--skip-tokenizer-init"],
+    )
     if not torch.cuda.is_available():
         common["kv_space_gib"] = 2
-    report = {"model": size, "build_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(0)
-              if torch.cuda.is_available() else "cpu", "requests": []}
+    report = {
+        "model": size,
+        "build_s": time.perf_counter() - t0,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "requests": [],
+    }
     with VLLMServer(ServerConfig(**common), log_path=str(work / "base.log")) as srv:
         srv.complete(prompts[0][:64], 4)
         base = [srv.complete(q, args.new) for q in prompts]
@@ -77,8 +98,9 @@ def main(argv=None) -> int:
     with VLLMServer(cfg, log_path=str(work / "vericache.log")) as srv:
         srv.complete(prompts[0][:64], 4)
         runs = {phase: [srv.complete(q, args.new) for q in prompts] for phase in ("cold", "warm")}
-        report["spec_decoding_log"] = [ln.split("SpecDecoding metrics: ")[1] for ln in srv.log().splitlines()
-                                       if "SpecDecoding metrics" in ln]
+        report["spec_decoding_log"] = [
+            ln.split("SpecDecoding metrics: ")[1] for ln in srv.log().splitlines() if "SpecDecoding metrics" in ln
+        ]
         report["hits"] = sum("tokens loaded" in ln for ln in srv.log().splitlines())
     for i, q in enumerate(prompts):
         b = base[i]

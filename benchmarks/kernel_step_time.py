@@ -21,6 +21,7 @@ warm-up round, and ratio = variant / full.
 On CPU the compressed variants run the torch references (unpack + dequantize, then attend), so
 the ratio measures the reference path, not the Triton kernels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,42 +53,53 @@ def _nbytes(obj) -> int:
 
 def make_variant(name: str, b: int, t: int, g: torch.Generator):
     """(make_layer() -> state, step(q, state) -> out) for one variant."""
+
     def rnd(*s):
         return torch.randn(*s, generator=g)
 
     tq = K.kivi_split(t, GROUP, RESIDUAL)
     if name == "full":
-        return (lambda: (rnd(b, HKV, t, D), rnd(b, HKV, t, D)),
-                lambda q, s: K.verify_attention(q, *s))
+        return (lambda: (rnd(b, HKV, t, D), rnd(b, HKV, t, D)), lambda q, s: K.verify_attention(q, *s))
     if name.startswith("kivi"):
         bits = int(name[4:])
 
         def mk():
             k, v = rnd(b, HKV, t, D), rnd(b, HKV, t, D)
-            return (K.kivi_quantize_keys(k[:, :, :tq], bits, GROUP), K.kivi_quantize_values(v[:, :, :tq], bits, GROUP),
-                    k[:, :, tq:].clone(), v[:, :, tq:].clone())
-        return mk, lambda q, s: K.kivi_decode_attention(q, *s[0], *s[1], bits=bits, k_group=GROUP, v_group=GROUP,
-                                                        k_tail=s[2], v_tail=s[3])
+            return (
+                K.kivi_quantize_keys(k[:, :, :tq], bits, GROUP),
+                K.kivi_quantize_values(v[:, :, :tq], bits, GROUP),
+                k[:, :, tq:].clone(),
+                v[:, :, tq:].clone(),
+            )
+
+        return mk, lambda q, s: K.kivi_decode_attention(
+            q, *s[0], *s[1], bits=bits, k_group=GROUP, v_group=GROUP, k_tail=s[2], v_tail=s[3]
+        )
     if name.startswith("turbo"):
         bits = int(name[5:])
 
         def mk():
             k, v = rnd(b, HKV, t, D), rnd(b, HKV, t, D)
-            return (K.turbo_quantize(k[:, :, :tq], bits), K.turbo_quantize(v[:, :, :tq], bits),
-                    k[:, :, tq:].clone(), v[:, :, tq:].clone())
+            return (
+                K.turbo_quantize(k[:, :, :tq], bits),
+                K.turbo_quantize(v[:, :, :tq], bits),
+                k[:, :, tq:].clone(),
+                v[:, :, tq:].clone(),
+            )
+
         return mk, lambda q, s: K.turbo_decode_attention(q, *s[0], *s[1], bits=bits, k_tail=s[2], v_tail=s[3])
     if name == "drop4x":
+
         def mk():
             idx = torch.rand(b, HKV, t, generator=g).argsort(-1)[..., : t // 4].sort(-1).values
             return rnd(b, HKV, t, D), rnd(b, HKV, t, D), idx
+
         return mk, lambda q, s: K.gathered_attention(q, *s)
     if name in ("full_fused", "full_f16", "drop4x_f16"):
         dt, n = (torch.float32, t) if name == "full_fused" else (torch.float16, t // 4 if name[0] == "d" else t)
-        return (lambda: (rnd(b, HKV, n, D).to(dt), rnd(b, HKV, n, D).to(dt)),
-                lambda q, s: K.cache_attention(q, *s))
+        return (lambda: (rnd(b, HKV, n, D).to(dt), rnd(b, HKV, n, D).to(dt)), lambda q, s: K.cache_attention(q, *s))
     if name == "drop4x_c":
-        return (lambda: (rnd(b, HKV, t // 4, D), rnd(b, HKV, t // 4, D)),
-                lambda q, s: K.verify_attention(q, *s))
+        return (lambda: (rnd(b, HKV, t // 4, D), rnd(b, HKV, t // 4, D)), lambda q, s: K.verify_attention(q, *s))
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -116,23 +128,35 @@ def time_setting(names, b, t, steps, mem_mb, seed=0) -> list[dict]:
     vs = [setup_variant(n, b, t, mem_mb, g) for n in names]
     qs = [torch.randn(b, HQ, 1, D, generator=g) for _ in range(LAYERS)]
     times = {v["name"]: [] for v in vs}
-    for rnd in range(steps + 1):              # round 0 is the warm-up
+    for rnd in range(steps + 1):  # round 0 is the warm-up
         for v in vs:
             dt = run_step(v, qs)
             if rnd:
                 times[v["name"]].append(dt)
-    return [{"variant": v["name"], "batch": b, "context": t,
-             "step_ms": 1e3 * statistics.median(times[v["name"]]), "step_ms_min": 1e3 * min(times[v["name"]]),
-             "layer_bytes_stored": v["per_layer"], "layer_bytes_read": v["read"],
-             "distinct_layers": len(v["states"])} for v in vs]
+    return [
+        {
+            "variant": v["name"],
+            "batch": b,
+            "context": t,
+            "step_ms": 1e3 * statistics.median(times[v["name"]]),
+            "step_ms_min": 1e3 * min(times[v["name"]]),
+            "layer_bytes_stored": v["per_layer"],
+            "layer_bytes_read": v["read"],
+            "distinct_layers": len(v["states"]),
+        }
+        for v in vs
+    ]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--variants", nargs="+", default=["full", "kivi4", "kivi2", "turbo4", "drop4x", "drop4x_c",
-                                                      "full_fused", "full_f16", "drop4x_f16"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["full", "kivi4", "kivi2", "turbo4", "drop4x", "drop4x_c", "full_fused", "full_f16", "drop4x_f16"],
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (shared machine: keep low)")
     ap.add_argument("--mem-mb", type=int, default=256, help="cache memory per variant before cycling layers")
@@ -149,10 +173,21 @@ def main(argv=None) -> int:
                 rows.append(r)
                 if not args.json:
                     ratio = f"{r['ratio_vs_full']:.2f}" if r["ratio_vs_full"] is not None else "-"
-                    print(f"T={t:5d} B={b} {r['variant']:9s} {r['step_ms']:9.1f} ms/step  ratio {ratio:>5}  "
-                          f"stored {r['layer_bytes_stored'] / 2**20:7.2f} MiB/layer", flush=True)
-    doc = {"device": "cpu", "threads": args.threads, "torch": torch.__version__, "layers": LAYERS, "hq": HQ,
-           "hkv": HKV, "head_dim": D, "rows": rows}
+                    print(
+                        f"T={t:5d} B={b} {r['variant']:9s} {r['step_ms']:9.1f} ms/step  ratio {ratio:>5}  "
+                        f"stored {r['layer_bytes_stored'] / 2**20:7.2f} MiB/layer",
+                        flush=True,
+                    )
+    doc = {
+        "device": "cpu",
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "layers": LAYERS,
+        "hq": HQ,
+        "hkv": HKV,
+        "head_dim": D,
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(doc, indent=1))
     return 0

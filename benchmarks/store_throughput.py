@@ -124,8 +124,7 @@ def main(argv=None) -> int:
         cleanup: list = []
         try:
             url = backend_url(name, args, cleanup)
-            results[name] = {"url": url.split("?")[0], **asyncio.run(
-                measure(url, payload, args.repeat, args.range_mb))}
+            results[name] = {"url": url.split("?")[0], **asyncio.run(measure(url, payload, args.repeat, args.range_mb))}
         except Exception as e:  # report and go on with the others
             results[name] = {"skipped": f"{type(e).__name__}: {e}"}
         finally:

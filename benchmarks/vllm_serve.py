@@ -10,6 +10,7 @@ token ids equal the base server's (greedy). Results land in results/vllm_serve/<
 
     python benchmarks/vllm_serve.py --prompts 3 --tokens 1800 --new 32 --spec-k 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,15 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     a = p.parse_args(argv)
     if not 1 <= a.prompts <= 5 or a.tokens < 300 or a.new < 1 or a.spec_k < 1:
-        p.error(f"bad sizes: --prompts {a.prompts} (1-5), --tokens {a.tokens} (>= 300), --new {a.new}, "
-                f"--spec-k {a.spec_k}")
+        p.error(
+            f"bad sizes: --prompts {a.prompts} (1-5), --tokens {a.tokens} (>= 300), --new {a.new}, --spec-k {a.spec_k}"
+        )
     return a
 
 
 def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
     from vllm_server import VLLMServer
+
     out = {}
     with VLLMServer(cfg) as srv:
         srv.complete(list(range(1000, 1064)), 4)  # warm-up: first-request overheads out of the timings
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
 
     model = str(resolve_model_dir(args.model))
     tok = VeriCacheEngine.from_pretrained(model)  # for its tokenizer
-    prompts = {n: tok.encode(t)[:args.tokens] for n, t in list(load_prompts().items())[:args.prompts]}
+    prompts = {n: tok.encode(t)[: args.tokens] for n, t in list(load_prompts().items())[: args.prompts]}
     bw = None if args.gbits is None else args.gbits * 1e9 / 8
     store_dir = tempfile.mkdtemp(prefix="vericache-bench-kv-")
     n = len(prompts)
@@ -77,8 +80,14 @@ def main(argv=None) -> int:
         base = serve(ServerConfig(model, max_model_len=args.tokens + args.new + 64), prompts, args.new, ["base"], bar)
         runs = {}
         for label, k in (("connector", 0), ("vericache", args.spec_k)):
-            cfg = ServerConfig(model, store=f"local://{store_dir}/{label}", compressor=args.compressor, spec_k=k,
-                               max_model_len=args.tokens + args.new + 64, bandwidth_bytes_per_s=bw)
+            cfg = ServerConfig(
+                model,
+                store=f"local://{store_dir}/{label}",
+                compressor=args.compressor,
+                spec_k=k,
+                max_model_len=args.tokens + args.new + 64,
+                bandwidth_bytes_per_s=bw,
+            )
             runs[label] = serve(cfg, prompts, args.new, ["cold", "warm"], bar)
     rows = []
     for name in prompts:
@@ -94,20 +103,29 @@ def main(argv=None) -> int:
         rows.append(row)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    result = {"command": shlex.join([sys.executable, *sys.argv]), "args": vars(args), "rows": rows,
-              "spec_decoding_log": runs["vericache"]["spec_log"]}
+    result = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "rows": rows,
+        "spec_decoding_log": runs["vericache"]["spec_log"],
+    }
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "command.txt").write_text(result["command"] + "\n")
-    table = ["| prompt | tokens | base TTFT / e2e s | connector warm TTFT / e2e s (ratio) | vericache warm "
-             "TTFT / e2e s (ratio) | identical (cold, warm) |", "|---|---|---|---|---|---|"]
+    table = [
+        "| prompt | tokens | base TTFT / e2e s | connector warm TTFT / e2e s (ratio) | vericache warm "
+        "TTFT / e2e s (ratio) | identical (cold, warm) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ident = all(r[f"{lb}_{ph}_identical"] for lb in runs for ph in ("cold", "warm"))
-        table.append(f"| {r['prompt']} | {r['tokens']} | {r['base_ttft_s']:.2f} / {r['base_total_s']:.2f} | "
-                     f"{r['connector_warm_ttft_s']:.2f} / {r['connector_warm_total_s']:.2f} "
-                     f"({r['connector_warm_ttft_ratio']:.2f}, {r['connector_warm_total_ratio']:.2f}) | "
-                     f"{r['vericache_warm_ttft_s']:.2f} / {r['vericache_warm_total_s']:.2f} "
-                     f"({r['vericache_warm_ttft_ratio']:.2f}, {r['vericache_warm_total_ratio']:.2f}) | "
-                     f"{'yes' if ident else 'NO'} |")
+        table.append(
+            f"| {r['prompt']} | {r['tokens']} | {r['base_ttft_s']:.2f} / {r['base_total_s']:.2f} | "
+            f"{r['connector_warm_ttft_s']:.2f} / {r['connector_warm_total_s']:.2f} "
+            f"({r['connector_warm_ttft_ratio']:.2f}, {r['connector_warm_total_ratio']:.2f}) | "
+            f"{r['vericache_warm_ttft_s']:.2f} / {r['vericache_warm_total_s']:.2f} "
+            f"({r['vericache_warm_ttft_ratio']:.2f}, {r['vericache_warm_total_ratio']:.2f}) | "
+            f"{'yes' if ident else 'NO'} |"
+        )
     (out / "table.md").write_text("\n".join(table) + "\n")
     plot(rows, out / "latency.png")
     print(json.dumps(result) if args.json else "\n".join(table) + f"\n\nresults: {out}")
@@ -116,11 +134,18 @@ def main(argv=None) -> int:
 
 def plot(rows, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    series = [("base", "base"), ("connector cold", "connector_cold"), ("connector warm", "connector_warm"),
-              ("vericache cold", "vericache_cold"), ("vericache warm", "vericache_warm")]
+    series = [
+        ("base", "base"),
+        ("connector cold", "connector_cold"),
+        ("connector warm", "connector_warm"),
+        ("vericache cold", "vericache_cold"),
+        ("vericache warm", "vericache_warm"),
+    ]
     width = 0.8 / len(series)
     for ax, metric, title in ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "total_s", "end to end (s)")):
         for i, (label, key) in enumerate(series):

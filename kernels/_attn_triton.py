@@ -13,6 +13,7 @@ times the Lq queries, so each K/V tile is read once per KV head): programs 0..NS
 contiguous chunk of the prefix, the last one owns the tail. Each writes an unnormalised partial
 (o, log2-sum-exp); _combine_kernel merges them. Scores use exp2 with sm_scale*log2(e) folded in.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,9 +33,22 @@ def triton_supports(d: int, *bits: int) -> bool:
 
 
 @triton.jit
-def _load_rows(X, S, Z, CB, t, tmask, offs_d, sxt, sst,
-               MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, KEY_LAYOUT: tl.constexpr,
-               CDT: tl.constexpr):
+def _load_rows(
+    X,
+    S,
+    Z,
+    CB,
+    t,
+    tmask,
+    offs_d,
+    sxt,
+    sst,
+    MODE: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEY_LAYOUT: tl.constexpr,
+    CDT: tl.constexpr,
+):
     """Rows t (int64 [BN]) of one (b, h) slice -> [BN, D] tile in CDT (masked rows are 0)."""
     if MODE <= 1:
         x = tl.load(X + t[:, None] * sxt + offs_d[None, :], mask=tmask[:, None], other=0.0)
@@ -72,14 +86,58 @@ def _online_step(q, k, v, vis, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 
 @triton.jit
 def _attn_split_kernel(
-    Q, OP, LP,
-    KX, KS, KZ, KCB, VX, VS, VZ, VCB, IDX, KT, VT,
-    skb, skh, skt, sksb, sksh, skst, svb, svh, svt, svsb, svsh, svst, sib, sih,
-    sktb, skth, sktt, svtb, svth, svtt,
-    H, M, T, LT, LQ, qk_scale, chunk, NSPLIT,
-    MODE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-    V_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, CDT: tl.constexpr,
+    Q,
+    OP,
+    LP,
+    KX,
+    KS,
+    KZ,
+    KCB,
+    VX,
+    VS,
+    VZ,
+    VCB,
+    IDX,
+    KT,
+    VT,
+    skb,
+    skh,
+    skt,
+    sksb,
+    sksh,
+    skst,
+    svb,
+    svh,
+    svt,
+    svsb,
+    svsh,
+    svst,
+    sib,
+    sih,
+    sktb,
+    skth,
+    sktt,
+    svtb,
+    svth,
+    svtt,
+    H,
+    M,
+    T,
+    LT,
+    LQ,
+    qk_scale,
+    chunk,
+    NSPLIT,
+    MODE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    CDT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -89,8 +147,9 @@ def _attn_split_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + pid_bh.to(tl.int64) * M * D + rows[:, None] * D + offs_d[None, :],
-                mask=rmask[:, None], other=0.0).to(CDT)
+    q = tl.load(
+        Q + pid_bh.to(tl.int64) * M * D + rows[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0
+    ).to(CDT)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -166,8 +225,28 @@ def _strides(x, n):
     return (0,) * n if x is None else tuple(x.stride()[:n])
 
 
-def _run(q4, mode, hkv, n_prefix, kx=None, ks=None, kz=None, kcb=None, vx=None, vs=None, vz=None,
-         vcb=None, idx=None, kt=None, vt=None, sm_scale=None, k_bits=8, v_bits=8, k_group=1, v_group=1):
+def _run(
+    q4,
+    mode,
+    hkv,
+    n_prefix,
+    kx=None,
+    ks=None,
+    kz=None,
+    kcb=None,
+    vx=None,
+    vs=None,
+    vz=None,
+    vcb=None,
+    idx=None,
+    kt=None,
+    vt=None,
+    sm_scale=None,
+    k_bits=8,
+    v_bits=8,
+    k_group=1,
+    v_group=1,
+):
     """Launch split + combine for 4-d inputs (all contiguous); returns [B, Hq, Lq, D] in q's dtype."""
     if q4.dtype not in _CDT:
         raise ValueError(f"q dtype must be fp16/bf16/fp32, got {q4.dtype}")
@@ -189,14 +268,37 @@ def _run(q4, mode, hkv, n_prefix, kx=None, ks=None, kz=None, kcb=None, vx=None, 
     dummy = q4
     grid = (b * hkv, m_blocks, nsplit + 1)
     _attn_split_kernel[grid](
-        q4, part_o, part_l,
+        q4,
+        part_o,
+        part_l,
         *(dummy if x is None else x for x in (kx, ks, kz, kcb, vx, vs, vz, vcb, idx, kt, vt)),
-        *_strides(kx, 3), *_strides(ks, 3), *_strides(vx, 3), *_strides(vs, 3), *_strides(idx, 2),
-        *_strides(kt, 3), *_strides(vt, 3),
-        hkv, m_rows, n_prefix, lt, lq, scale * 1.4426950408889634, chunk, nsplit,
-        MODE=mode, K_BITS=k_bits, V_BITS=v_bits, K_GROUP=k_group, V_GROUP=v_group, D=d,
-        BLOCK_M=block_m, BLOCK_N=block_n, PREC="ieee" if q4.dtype == torch.float32 else "tf32",
-        CDT=_CDT[q4.dtype], num_warps=4, num_stages=2,
+        *_strides(kx, 3),
+        *_strides(ks, 3),
+        *_strides(vx, 3),
+        *_strides(vs, 3),
+        *_strides(idx, 2),
+        *_strides(kt, 3),
+        *_strides(vt, 3),
+        hkv,
+        m_rows,
+        n_prefix,
+        lt,
+        lq,
+        scale * 1.4426950408889634,
+        chunk,
+        nsplit,
+        MODE=mode,
+        K_BITS=k_bits,
+        V_BITS=v_bits,
+        K_GROUP=k_group,
+        V_GROUP=v_group,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PREC="ieee" if q4.dtype == torch.float32 else "tf32",
+        CDT=_CDT[q4.dtype],
+        num_warps=4,
+        num_stages=2,
     )
     _combine_kernel[(b * hkv, m_blocks)](part_o, part_l, out, m_rows, nsplit + 1, D=d, BLOCK_M=block_m)
     return out
@@ -210,16 +312,35 @@ def dense_attention_triton(q, k, v, k_tail, v_tail, sm_scale=None):
     """Dense prefix (may be None) + tail; verify_attention is (None, None, K, V)."""
     had, q4, (k, v, kt, vt) = batched(q, k, v, k_tail, v_tail)
     hkv = check_attention_shapes(q4, k, v, kt, vt)
-    out = _run(q4.contiguous(), 0, hkv, 0 if k is None else k.shape[2], kx=_c(k), vx=_c(v),
-               kt=_c(kt), vt=_c(vt), sm_scale=sm_scale)
+    out = _run(
+        q4.contiguous(),
+        0,
+        hkv,
+        0 if k is None else k.shape[2],
+        kx=_c(k),
+        vx=_c(v),
+        kt=_c(kt),
+        vt=_c(vt),
+        sm_scale=sm_scale,
+    )
     return out if had else out.squeeze(0)
 
 
 def gathered_attention_triton(q, k_full, v_full, kept_idx, k_tail, v_tail, sm_scale=None):
     had, q4, (kf, vf, idx, kt, vt) = batched(q, k_full, v_full, kept_idx, k_tail, v_tail)
     hkv = check_attention_shapes(q4, kf, vf, kt, vt, n_prefix=idx.shape[-1])
-    out = _run(q4.contiguous(), 1, hkv, idx.shape[-1], kx=_c(kf), vx=_c(vf), idx=_c(idx), kt=_c(kt),
-               vt=_c(vt), sm_scale=sm_scale)
+    out = _run(
+        q4.contiguous(),
+        1,
+        hkv,
+        idx.shape[-1],
+        kx=_c(kf),
+        vx=_c(vf),
+        idx=_c(idx),
+        kt=_c(kt),
+        vt=_c(vt),
+        sm_scale=sm_scale,
+    )
     return out if had else out.squeeze(0)
 
 
@@ -228,8 +349,7 @@ def _check_codes(name, x, b, hkv, t):
         raise ValueError(f"{name} must be [B={b}, Hkv={hkv}, T={t}, ...], got {tuple(x.shape)}")
 
 
-def kivi_attention_triton(q, kp, ks, kz, vp, vs, vz, *, bits, v_bits, k_group, v_group, k_tail, v_tail,
-                          sm_scale=None):
+def kivi_attention_triton(q, kp, ks, kz, vp, vs, vz, *, bits, v_bits, k_group, v_group, k_tail, v_tail, sm_scale=None):
     had, q4, (kp, ks, kz, vp, vs, vz, kt, vt) = batched(q, kp, ks, kz, vp, vs, vz, k_tail, v_tail)
     b, hkv, t, _ = kp.shape
     d = q4.shape[-1]
@@ -239,14 +359,31 @@ def kivi_attention_triton(q, kp, ks, kz, vp, vs, vz, *, bits, v_bits, k_group, v
         raise ValueError(f"key scale/min {tuple(ks.shape)} != {(b, hkv, t // k_group, d)}")
     if d % v_group or tuple(vs.shape) != (b, hkv, t, d // v_group) or vz.shape != vs.shape:
         raise ValueError(f"value scale/min {tuple(vs.shape)} != {(b, hkv, t, d // v_group)}")
-    out = _run(q4.contiguous(), 2, hkv, t, kx=_c(kp), ks=_c(ks), kz=_c(kz), vx=_c(vp), vs=_c(vs),
-               vz=_c(vz), kt=_c(kt), vt=_c(vt), sm_scale=sm_scale, k_bits=bits, v_bits=v_bits,
-               k_group=k_group, v_group=v_group)
+    out = _run(
+        q4.contiguous(),
+        2,
+        hkv,
+        t,
+        kx=_c(kp),
+        ks=_c(ks),
+        kz=_c(kz),
+        vx=_c(vp),
+        vs=_c(vs),
+        vz=_c(vz),
+        kt=_c(kt),
+        vt=_c(vt),
+        sm_scale=sm_scale,
+        k_bits=bits,
+        v_bits=v_bits,
+        k_group=k_group,
+        v_group=v_group,
+    )
     return out if had else out.squeeze(0)
 
 
-def turbo_attention_triton(q_rot, kp, kn, vp, vn, k_codebook, v_codebook, *, bits, v_bits, k_tail, v_tail,
-                           sm_scale=None):
+def turbo_attention_triton(
+    q_rot, kp, kn, vp, vn, k_codebook, v_codebook, *, bits, v_bits, k_tail, v_tail, sm_scale=None
+):
     """q_rot and the tail already rotated; returns the output in the rotated domain."""
     had, q4, (kp, kn, vp, vn, kt, vt) = batched(q_rot, kp, kn, vp, vn, k_tail, v_tail)
     b, hkv, t, _ = kp.shape
@@ -256,7 +393,21 @@ def turbo_attention_triton(q_rot, kp, kn, vp, vn, k_codebook, v_codebook, *, bit
         if tuple(n.shape) != (b, hkv, t):
             raise ValueError(f"{name} must be [B, Hkv, T] = {(b, hkv, t)}, got {tuple(n.shape)}")
     # norms [B, H, T]: pass as the "scale" tensors (strides b, h, t)
-    out = _run(q4.contiguous(), 3, hkv, t, kx=_c(kp), ks=_c(kn), kcb=_c(k_codebook), vx=_c(vp),
-               vs=_c(vn), vcb=_c(v_codebook), kt=_c(kt), vt=_c(vt), sm_scale=sm_scale, k_bits=bits,
-               v_bits=v_bits)
+    out = _run(
+        q4.contiguous(),
+        3,
+        hkv,
+        t,
+        kx=_c(kp),
+        ks=_c(kn),
+        kcb=_c(k_codebook),
+        vx=_c(vp),
+        vs=_c(vn),
+        vcb=_c(v_codebook),
+        kt=_c(kt),
+        vt=_c(vt),
+        sm_scale=sm_scale,
+        k_bits=bits,
+        v_bits=v_bits,
+    )
     return out if had else out.squeeze(0)

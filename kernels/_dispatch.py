@@ -6,6 +6,7 @@ the torch reference, or a fused PyTorch CPU kernel where an op has one: use_fuse
 environment variable VERICACHE_KERNELS=ref turns "auto" into "ref" (debugging aid). Nothing is
 imported or probed at import time.
 """
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ Both kernels treat the contiguous tensor as one flat bit stream (see kernels/bit
 For bits in {1, 2, 4, 8} a byte holds 8/bits whole codes; otherwise a code may straddle two bytes.
 Codes >= 2**bits are masked to their low bits (the contract is codes < 2**bits).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,7 @@ _BLOCK = 1024
 
 @triton.jit
 def _pack_kernel(C, P, nbytes, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # output byte index
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # output byte index
     m = offs < nbytes
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     if 8 % BITS == 0:
@@ -36,7 +37,7 @@ def _pack_kernel(C, P, nbytes, BITS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _unpack_kernel(P, C, ncodes, nbytes, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)      # output code index
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # output code index
     m = j < ncodes
     bit0 = j * BITS
     lo = bit0 // 8

@@ -12,6 +12,7 @@ Visibility ("prefix + tail" convention used by all ops):
 verify_attention is the prefix-free case: K/V hold the whole sequence, queries are its last Lq.
 Scores and softmax are computed in float32; the output has q's dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,15 @@ def batched(q: Tensor, *caches: Tensor | None) -> tuple[bool, Tensor, list[Tenso
     return had, (q if had else q.unsqueeze(0)), out
 
 
-def check_attention_shapes(q: Tensor, k: Tensor | None, v: Tensor | None, k_tail: Tensor | None,
-                           v_tail: Tensor | None, n_prefix: int | None = None, hkv: int | None = None) -> int:
+def check_attention_shapes(
+    q: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    k_tail: Tensor | None,
+    v_tail: Tensor | None,
+    n_prefix: int | None = None,
+    hkv: int | None = None,
+) -> int:
     """Validate 4-d shapes; returns Hkv. n_prefix/hkv describe a packed or indexed prefix."""
     b, hq, lq, d = q.shape
     if (k is None) != (v is None) or (k_tail is None) != (v_tail is None):
@@ -68,8 +76,14 @@ def tail_visibility(lq: int, lt: int, rows: int, device) -> Tensor:
     return torch.arange(lt, device=device)[None, :] <= (lt - lq + i)[:, None]
 
 
-def attention_ref(q: Tensor, k: Tensor | None, v: Tensor | None, k_tail: Tensor | None = None,
-                  v_tail: Tensor | None = None, sm_scale: float | None = None) -> Tensor:
+def attention_ref(
+    q: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    k_tail: Tensor | None = None,
+    v_tail: Tensor | None = None,
+    sm_scale: float | None = None,
+) -> Tensor:
     """softmax(q K^T * scale) V over [prefix; tail], fp32 math, GQA without repeating K/V.
 
     The Lq queries of the G = Hq/Hkv heads sharing a KV head are stacked into G*Lq rows, so each KV
@@ -81,13 +95,13 @@ def attention_ref(q: Tensor, k: Tensor | None, v: Tensor | None, k_tail: Tensor 
     b, hq, lq, d = q4.shape
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    qf = q4.float().reshape(b, hkv, g * lq, d) * scale           # rows r = g_idx * Lq + i
+    qf = q4.float().reshape(b, hkv, g * lq, d) * scale  # rows r = g_idx * Lq + i
     parts, vals = [], []
     if k is not None and k.shape[2]:
-        parts.append(qf @ k.float().transpose(-1, -2))           # [B, Hkv, G*Lq, T]
+        parts.append(qf @ k.float().transpose(-1, -2))  # [B, Hkv, G*Lq, T]
         vals.append(v)
     if k_tail is not None and k_tail.shape[2]:
-        s = qf @ k_tail.float().transpose(-1, -2)                # [B, Hkv, G*Lq, Lt]
+        s = qf @ k_tail.float().transpose(-1, -2)  # [B, Hkv, G*Lq, Lt]
         if lq > 1:
             vis = tail_visibility(lq, k_tail.shape[2], g * lq, q.device)
             s = s.masked_fill(~vis, float("-inf"))
@@ -95,18 +109,26 @@ def attention_ref(q: Tensor, k: Tensor | None, v: Tensor | None, k_tail: Tensor 
         vals.append(v_tail)
     p = torch.softmax(torch.cat(parts, -1) if len(parts) > 1 else parts[0], dim=-1)
     out, start = None, 0
-    for val in vals:                                              # out = sum_j p_j v_j, per part
+    for val in vals:  # out = sum_j p_j v_j, per part
         n = val.shape[2]
-        o = p[..., start:start + n] @ val.float()
+        o = p[..., start : start + n] @ val.float()
         out = o if out is None else out + o
         start += n
     out = out.reshape(b, hkv, g, lq, d).reshape(b, hq, lq, d).to(q.dtype)
     return out if had else out.squeeze(0)
 
 
-def attention_ref_streamed(q: Tensor, hkv: int, n_prefix: int, load_k, load_v, block: int,
-                           k_tail: Tensor | None = None, v_tail: Tensor | None = None,
-                           sm_scale: float | None = None) -> Tensor:
+def attention_ref_streamed(
+    q: Tensor,
+    hkv: int,
+    n_prefix: int,
+    load_k,
+    load_v,
+    block: int,
+    k_tail: Tensor | None = None,
+    v_tail: Tensor | None = None,
+    sm_scale: float | None = None,
+) -> Tensor:
     """attention_ref for a prefix that is decoded block by block (compressed caches).
 
     load_k(s, e) / load_v(s, e) return float32 K/V [B, Hkv, e-s, D] of prefix positions [s, e);
@@ -121,7 +143,7 @@ def attention_ref_streamed(q: Tensor, hkv: int, n_prefix: int, load_k, load_v, b
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     qf = q.float().reshape(b, hkv, rows, d) * scale
     blocks = [(s, min(s + block, n_prefix)) for s in range(0, n_prefix, block)]
-    parts = [qf @ load_k(s, e).transpose(-1, -2) for s, e in blocks]       # [B, Hkv, rows, e-s]
+    parts = [qf @ load_k(s, e).transpose(-1, -2) for s, e in blocks]  # [B, Hkv, rows, e-s]
     lt = 0 if k_tail is None else k_tail.shape[2]
     if lt:
         st = qf @ k_tail.float().transpose(-1, -2)
@@ -145,8 +167,9 @@ def verify_attention_ref(q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None
     return attention_ref(q, None, None, k, v, sm_scale)
 
 
-def verify_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None = None, *,
-                     backend: str = "auto") -> Tensor:
+def verify_attention(
+    q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None = None, *, backend: str = "auto"
+) -> Tensor:
     """Causal attention of the last Lq = k+1 positions over the full KV (GQA) -> [B?, Hq, Lq, D]."""
     if use_triton(backend, q, k, v):
         from ._attn_triton import dense_attention_triton, triton_supports
@@ -163,9 +186,15 @@ def _check_idx(kept_idx: Tensor, k_full: Tensor) -> None:
         raise ValueError(f"kept_idx {tuple(kept_idx.shape)} must be [B?, Hkv, L] for K {tuple(k_full.shape)}")
 
 
-def gathered_attention_ref(q: Tensor, k_full: Tensor, v_full: Tensor, kept_idx: Tensor,
-                           k_tail: Tensor | None = None, v_tail: Tensor | None = None,
-                           sm_scale: float | None = None) -> Tensor:
+def gathered_attention_ref(
+    q: Tensor,
+    k_full: Tensor,
+    v_full: Tensor,
+    kept_idx: Tensor,
+    k_tail: Tensor | None = None,
+    v_tail: Tensor | None = None,
+    sm_scale: float | None = None,
+) -> Tensor:
     """Reference: K_kept[h, l] = K_full[h, kept_idx[h, l]] (per KV head), then attention_ref."""
     _check_idx(kept_idx, k_full)
     *lead, t, d = k_full.shape
@@ -179,9 +208,17 @@ def gathered_attention_ref(q: Tensor, k_full: Tensor, v_full: Tensor, kept_idx: 
     return attention_ref(q, gather(k_full), gather(v_full), k_tail, v_tail, sm_scale)
 
 
-def gathered_attention(q: Tensor, k_full: Tensor, v_full: Tensor, kept_idx: Tensor,
-                       k_tail: Tensor | None = None, v_tail: Tensor | None = None,
-                       sm_scale: float | None = None, *, backend: str = "auto") -> Tensor:
+def gathered_attention(
+    q: Tensor,
+    k_full: Tensor,
+    v_full: Tensor,
+    kept_idx: Tensor,
+    k_tail: Tensor | None = None,
+    v_tail: Tensor | None = None,
+    sm_scale: float | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
     """Attention over the kept positions of a token-dropped cache: K/V_full [B?, Hkv, T, D],
     kept_idx [B?, Hkv, L] (int32/int64, values in [0, T); the Triton kernel does not bounds-check),
     plus an optional tail. The kernel gathers rows inside the kernel; nothing is materialized."""

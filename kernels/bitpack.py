@@ -6,6 +6,7 @@ bits [8i, 8i+8), least significant bit first. For bits in {1, 2, 4, 8} code j th
 byte (j*bits)//8 at shift (j*bits)%8; for 3, 5, 6, 7 bits a code may straddle two bytes.
 The last dim must be a multiple of 8 // gcd(8, bits) so that it packs into whole bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return (c << shifts).sum(-1).to(torch.uint8)
     # general path: expand to a bit stream, regroup by 8
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
-    stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1          # [..., n, bits]
+    stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [..., n, bits]
     stream = stream.reshape(*codes.shape[:-1], nbytes, 8)
     weights = torch.arange(8, device=codes.device, dtype=torch.int32)
     return (stream << weights).sum(-1).to(torch.uint8)

@@ -20,6 +20,7 @@ rounding; inputs must lie within the float16 range, |x| < 65504). Token counts t
 multiple of G are the caller's business: quantize the first kivi_split(T, G) tokens and keep the
 rest full precision as the tail (the KIVI residual window).
 """
+
 from __future__ import annotations
 
 import torch
@@ -81,7 +82,7 @@ def kivi_quantize_keys(k: torch.Tensor, bits: int, group: int):
     if d % pad_multiple(bits):
         raise ValueError(f"head dim {d} does not pack into bytes at {bits} bits")
     # [..., T//G, G, D] -> quantize along the G tokens: put them last
-    x = k.float().reshape(*lead, t // group, group, d).transpose(-1, -2)   # [..., T//G, D, G]
+    x = k.float().reshape(*lead, t // group, group, d).transpose(-1, -2)  # [..., T//G, D, G]
     codes, scale, mn = _quantize_lastdim(x, bits)
     codes = codes.transpose(-1, -2).reshape(*lead, t, d)
     return pack_bits_ref(codes, bits), scale, mn
@@ -109,8 +110,10 @@ def kivi_dequantize_keys(packed, scale, mn, bits: int, group: int, dtype=torch.f
     *lead, t, nb = packed.shape
     d = _head_dim(packed, bits)
     if t % group or tuple(scale.shape) != (*lead, t // group, d) or mn.shape != scale.shape:
-        raise ValueError(f"key scale/mn {tuple(scale.shape)}/{tuple(mn.shape)} do not match packed "
-                         f"{tuple(packed.shape)} at bits={bits}, group={group}")
+        raise ValueError(
+            f"key scale/mn {tuple(scale.shape)}/{tuple(mn.shape)} do not match packed "
+            f"{tuple(packed.shape)} at bits={bits}, group={group}"
+        )
     codes = unpack_bits_float(packed, bits, d).reshape(*lead, t // group, group, d)
     # broadcast scale/mn [.., T//G, 1, D] over the G tokens of each group (no materialized repeat)
     x = torch.addcmul(mn.float().unsqueeze(-2), codes, scale.float().unsqueeze(-2))
@@ -123,23 +126,40 @@ def kivi_dequantize_values(packed, scale, mn, bits: int, group: int, dtype=torch
     *lead, t, nb = packed.shape
     d = _head_dim(packed, bits)
     if d % group or tuple(scale.shape) != (*lead, t, d // group) or mn.shape != scale.shape:
-        raise ValueError(f"value scale/mn {tuple(scale.shape)}/{tuple(mn.shape)} do not match packed "
-                         f"{tuple(packed.shape)} at bits={bits}, group={group}")
+        raise ValueError(
+            f"value scale/mn {tuple(scale.shape)}/{tuple(mn.shape)} do not match packed "
+            f"{tuple(packed.shape)} at bits={bits}, group={group}"
+        )
     codes = unpack_bits_float(packed, bits, d).reshape(*lead, t, d // group, group)
     x = torch.addcmul(mn.float().unsqueeze(-1), codes, scale.float().unsqueeze(-1))
     return x.reshape(*lead, t, d).to(dtype)
 
 
-def kivi_decode_attention_ref(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn, *, bits: int,
-                              k_group: int, v_group: int, v_bits: int | None = None,
-                              k_tail=None, v_tail=None, sm_scale: float | None = None) -> torch.Tensor:
+def kivi_decode_attention_ref(
+    q,
+    k_packed,
+    k_scale,
+    k_mn,
+    v_packed,
+    v_scale,
+    v_mn,
+    *,
+    bits: int,
+    k_group: int,
+    v_group: int,
+    v_bits: int | None = None,
+    k_tail=None,
+    v_tail=None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """Reference: dequantize the packed prefix to float32 and attend (attention_ref math: prefix
     fully visible, tail causal bottom-right, GQA, fp32 softmax). The prefix is dequantized in
     blocks of whole key groups (attention_ref_streamed) so the CPU path never materialises the
     full float32 cache."""
     v_bits = bits if v_bits is None else v_bits
-    had, q4, (kp, ks, km, vp, vs, vm, kt, vt) = batched(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn,
-                                                        k_tail, v_tail)
+    had, q4, (kp, ks, km, vp, vs, vm, kt, vt) = batched(
+        q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn, k_tail, v_tail
+    )
     b, hkv, t, _ = kp.shape
     if vp.shape[:3] != kp.shape[:3]:
         raise ValueError(f"k_packed {tuple(kp.shape)} and v_packed {tuple(vp.shape)} differ in [B, Hkv, T]")
@@ -148,8 +168,13 @@ def kivi_decode_attention_ref(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_m
     block = block_tokens(b, hkv, q4.shape[-1], k_group)
 
     def load_k(s, e):
-        return kivi_dequantize_keys(kp[..., s:e, :], ks[..., s // k_group:e // k_group, :],
-                                    km[..., s // k_group:e // k_group, :], bits, k_group)
+        return kivi_dequantize_keys(
+            kp[..., s:e, :],
+            ks[..., s // k_group : e // k_group, :],
+            km[..., s // k_group : e // k_group, :],
+            bits,
+            k_group,
+        )
 
     def load_v(s, e):
         return kivi_dequantize_values(vp[..., s:e, :], vs[..., s:e, :], vm[..., s:e, :], v_bits, v_group)
@@ -158,9 +183,24 @@ def kivi_decode_attention_ref(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_m
     return out if had else out.squeeze(0)
 
 
-def kivi_decode_attention(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn, *, bits: int,
-                          k_group: int, v_group: int, v_bits: int | None = None, k_tail=None,
-                          v_tail=None, sm_scale: float | None = None, backend: str = "auto"):
+def kivi_decode_attention(
+    q,
+    k_packed,
+    k_scale,
+    k_mn,
+    v_packed,
+    v_scale,
+    v_mn,
+    *,
+    bits: int,
+    k_group: int,
+    v_group: int,
+    v_bits: int | None = None,
+    k_tail=None,
+    v_tail=None,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+):
     """Attention of q [B?, Hq, Lq, D] over a KIVI-packed prefix [B?, Hkv, T, ...] (keys at `bits`,
     values at `v_bits`, default `bits`) plus an optional full-precision tail [B?, Hkv, Lt, D].
     The whole prefix is visible; query i sees tail positions j <= Lt - Lq + i. -> [B?, Hq, Lq, D]."""
@@ -169,15 +209,43 @@ def kivi_decode_attention(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn, *
     _check(v_bits, v_group)
     d = q.shape[-1]
     if _head_dim(k_packed, bits) != d or _head_dim(v_packed, v_bits) != d:
-        raise ValueError(f"packed K/V last dims {k_packed.shape[-1]}/{v_packed.shape[-1]} do not hold "
-                         f"head dim {d} at {bits}/{v_bits} bits")
+        raise ValueError(
+            f"packed K/V last dims {k_packed.shape[-1]}/{v_packed.shape[-1]} do not hold "
+            f"head dim {d} at {bits}/{v_bits} bits"
+        )
     if use_triton(backend, q, k_packed, v_packed, k_tail):
         from ._attn_triton import kivi_attention_triton, triton_supports
 
         if triton_supports(d, bits, v_bits):
-            return kivi_attention_triton(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn, bits=bits,
-                                         v_bits=v_bits, k_group=k_group, v_group=v_group,
-                                         k_tail=k_tail, v_tail=v_tail, sm_scale=sm_scale)
-    return kivi_decode_attention_ref(q, k_packed, k_scale, k_mn, v_packed, v_scale, v_mn, bits=bits,
-                                     k_group=k_group, v_group=v_group, v_bits=v_bits, k_tail=k_tail,
-                                     v_tail=v_tail, sm_scale=sm_scale)
+            return kivi_attention_triton(
+                q,
+                k_packed,
+                k_scale,
+                k_mn,
+                v_packed,
+                v_scale,
+                v_mn,
+                bits=bits,
+                v_bits=v_bits,
+                k_group=k_group,
+                v_group=v_group,
+                k_tail=k_tail,
+                v_tail=v_tail,
+                sm_scale=sm_scale,
+            )
+    return kivi_decode_attention_ref(
+        q,
+        k_packed,
+        k_scale,
+        k_mn,
+        v_packed,
+        v_scale,
+        v_mn,
+        bits=bits,
+        k_group=k_group,
+        v_group=v_group,
+        v_bits=v_bits,
+        k_tail=k_tail,
+        v_tail=v_tail,
+        sm_scale=sm_scale,
+    )

@@ -5,6 +5,7 @@ dim). Because every row packs into whole bytes, the rows of a contiguous tensor 
 continuous stream, so the Triton kernels work on the flattened tensor: byte i holds stream bits
 [8i, 8i+8) and code j occupies stream bits [j*bits, (j+1)*bits).
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,6 +65,9 @@ def unpack_bits_float(packed: torch.Tensor, bits: int, n: int, values: torch.Ten
         parts = [(packed >> (k * bits)) & mask if k else packed & mask for k in range(8 // bits)]
         return torch.stack(parts, -1).reshape(*packed.shape[:-1], n).float()
     # table[byte, k] = values[code k of byte]; one gather per byte gives 8/bits values
-    table = values.float()[((torch.arange(256, device=packed.device, dtype=torch.uint8).unsqueeze(-1) >> shifts)
-                            & ((1 << bits) - 1)).long()]
+    table = values.float()[
+        (
+            (torch.arange(256, device=packed.device, dtype=torch.uint8).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        ).long()
+    ]
     return table.index_select(0, packed.reshape(-1).int()).reshape(*packed.shape[:-1], n)

@@ -11,6 +11,7 @@ Token j of row b lives in block block_table[b, j // bs] at offset j % bs ("slot"
 Queries: q [N, Hq, D], rows' queries packed back to back (query_start_loc [B+1]); row b's queries are
 the last of its seq_lens[b] entries, causal among themselves (bottom-right), as vLLM's decode/verify.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,15 +32,18 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise ValueError(f"paged KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
 
 
-def new_paged_cache(blocks: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: str,
-                    device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+def new_paged_cache(
+    blocks: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: str, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
     """Zeroed (key_cache, value_cache) in the layout above."""
     check_kv_dtype(kv_dtype)
     if block_size % 32:
         raise ValueError(f"block_size must be a multiple of 32 (vLLM's CPU kernel), got {block_size}")
     dtype = torch.uint8 if kv_dtype in FP8 else FLOATS[kv_dtype]
-    return (torch.zeros(blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device),
-            torch.zeros(blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device))
+    return (
+        torch.zeros(blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device),
+        torch.zeros(blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device),
+    )
 
 
 def encode(x: Tensor, kv_dtype: str, scale: float = 1.0) -> Tensor:
@@ -59,28 +63,53 @@ def decode(codes: Tensor, kv_dtype: str, scale: float = 1.0) -> Tensor:
     return codes.float()
 
 
-def paged_write(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, kv_dtype: str,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def paged_write(
+    key_cache: Tensor,
+    value_cache: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slots: Tensor,
+    kv_dtype: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Store k, v [N, H_kv, D] at slots [N] (block * bs + offset)."""
     bs = value_cache.shape[2]
     blk, off = slots // bs, slots % bs
-    key_cache[blk, :, :, off] = encode(k, kv_dtype, k_scale)          # [N, H, D] into [blocks, H, D, bs]
-    value_cache[blk, :, off] = encode(v, kv_dtype, v_scale)           # [N, H, D] into [blocks, H, bs, D]
+    key_cache[blk, :, :, off] = encode(k, kv_dtype, k_scale)  # [N, H, D] into [blocks, H, D, bs]
+    value_cache[blk, :, off] = encode(v, kv_dtype, v_scale)  # [N, H, D] into [blocks, H, bs, D]
 
 
-def paged_gather(key_cache: Tensor, value_cache: Tensor, block_table: Tensor, row: int, n: int, kv_dtype: str,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+def paged_gather(
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    row: int,
+    n: int,
+    kv_dtype: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
     """Row `row`'s first n entries as float32 keys, values [H_kv, n, D]."""
     bs = value_cache.shape[2]
-    blocks = block_table[row, :math.ceil(n / bs)].long()
+    blocks = block_table[row, : math.ceil(n / bs)].long()
     k = key_cache[blocks].permute(1, 0, 3, 2).reshape(key_cache.shape[1], -1, key_cache.shape[2])[:, :n]
     v = value_cache[blocks].transpose(0, 1).reshape(value_cache.shape[1], -1, value_cache.shape[3])[:, :n]
     return decode(k, kv_dtype, k_scale), decode(v, kv_dtype, v_scale)
 
 
-def paged_attention_ref(q: Tensor, key_cache: Tensor, value_cache: Tensor, query_start_loc: Tensor,
-                        seq_lens: Tensor, block_table: Tensor, kv_dtype: str, k_scale: float = 1.0,
-                        v_scale: float = 1.0, sm_scale: float | None = None) -> Tensor:
+def paged_attention_ref(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    kv_dtype: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sm_scale: float | None = None,
+) -> Tensor:
     """Reference: per row, decode its entries to float32 and run softmax(q k^T * scale) v with the
     bottom-right causal mask; grouped query heads share KV head h // (Hq / H_kv). -> [N, Hq, D] in q's dtype."""
     d = q.shape[-1]
@@ -90,9 +119,9 @@ def paged_attention_ref(q: Tensor, key_cache: Tensor, value_cache: Tensor, query
         s, e, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         k, v = paged_gather(key_cache, value_cache, block_table, b, n, kv_dtype, k_scale, v_scale)
         group = q.shape[1] // k.shape[0]
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)       # [Hq, n, D]
-        qb = q[s:e].float().transpose(0, 1)                                      # [Hq, lq, D]
-        scores = qb @ k.transpose(1, 2) * scale                                  # [Hq, lq, n]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, n, D]
+        qb = q[s:e].float().transpose(0, 1)  # [Hq, lq, D]
+        scores = qb @ k.transpose(1, 2) * scale  # [Hq, lq, n]
         visible = torch.arange(n)[None] <= (n - (e - s) + torch.arange(e - s))[:, None]
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
@@ -106,6 +135,7 @@ def vllm_cpu_attention_available(kv_dtype: str = "float16") -> bool:
         return False
     try:
         import vllm._custom_ops as ops
+
         return hasattr(ops, "cpu_attention_with_kv_cache") and hasattr(torch.ops._C, "get_scheduler_metadata")
     except Exception:  # no vllm, a CUDA build of it, or an op missing in this version
         return False
@@ -116,30 +146,52 @@ def uses_vllm_kernel(backend: str, kv_dtype: str, *tensors: Tensor) -> bool:
     return use_fused_cpu(backend, *tensors) and vllm_cpu_attention_available(kv_dtype)
 
 
-def paged_attention_plan(q: Tensor, num_kv_heads: int, query_start_loc: Tensor, seq_lens: Tensor,
-                         kv_dtype: str) -> Tensor:
+def paged_attention_plan(
+    q: Tensor, num_kv_heads: int, query_start_loc: Tensor, seq_lens: Tensor, kv_dtype: str
+) -> Tensor:
     """vLLM's scheduler metadata for one step (reusable across layers while seq_lens stay the same)."""
     import vllm._custom_ops as ops
 
     return ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.shape[0], num_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[2],
-        seq_lens=seq_lens, dtype=q.dtype, query_start_loc=query_start_loc, causal=True,
-        sliding_window_size=-1, isa="vec", enable_kv_split=False,
-        kv_cache_dtype=kv_dtype if kv_dtype in FP8 else "auto")
+        num_reqs=seq_lens.shape[0],
+        num_heads=q.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=q.shape[2],
+        seq_lens=seq_lens,
+        dtype=q.dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa="vec",
+        enable_kv_split=False,
+        kv_cache_dtype=kv_dtype if kv_dtype in FP8 else "auto",
+    )
 
 
-def paged_attention(q: Tensor, key_cache: Tensor, value_cache: Tensor, query_start_loc: Tensor,
-                    seq_lens: Tensor, block_table: Tensor, kv_dtype: str, k_scale: float = 1.0,
-                    v_scale: float = 1.0, sm_scale: float | None = None, *, plan: Tensor | None = None,
-                    backend: str = "auto") -> Tensor:
+def paged_attention(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    kv_dtype: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sm_scale: float | None = None,
+    *,
+    plan: Tensor | None = None,
+    backend: str = "auto",
+) -> Tensor:
     """Dispatch: vLLM's CPU kernel for CPU tensors when available (backend "auto"), else the reference.
     q [N, Hq, D] (float32 or bfloat16 for float8 caches, the cache's dtype otherwise); int32 indices."""
     check_kv_dtype(kv_dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not uses_vllm_kernel(backend, kv_dtype, q, key_cache):
-        return paged_attention_ref(q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
-                                   kv_dtype, k_scale, v_scale, sm_scale)
+        return paged_attention_ref(
+            q, key_cache, value_cache, query_start_loc, seq_lens, block_table, kv_dtype, k_scale, v_scale, sm_scale
+        )
     import vllm._custom_ops as ops
 
     if kv_dtype not in FP8 and q.dtype != key_cache.dtype:
@@ -148,9 +200,22 @@ def paged_attention(q: Tensor, key_cache: Tensor, value_cache: Tensor, query_sta
     plan = paged_attention_plan(q, hkv, query_start_loc, seq_lens, kv_dtype) if plan is None else plan
     out = torch.empty_like(q)
     ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=key_cache.view(n, hkv, bs, d), value_cache=value_cache, output=out,
-        query_start_loc=query_start_loc, seq_lens=seq_lens,
-        scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, causal=True, alibi_slopes=None,
-        sliding_window=-1, block_table=block_table, softcap=0.0, scheduler_metadata=plan, s_aux=None,
-        k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_dtype if kv_dtype in FP8 else "auto")
+        query=q.contiguous(),
+        key_cache=key_cache.view(n, hkv, bs, d),
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=plan,
+        s_aux=None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_dtype if kv_dtype in FP8 else "auto",
+    )
     return out

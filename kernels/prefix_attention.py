@@ -26,6 +26,7 @@ dtype). Stacking the GQA rows is what makes it fast: the same float32 K/V throug
 enable_gqa (the model's KVCache path) is ~1.35x slower at 8k context (benchmarks/engine_step_time.py,
 rows full vs full/dense-f32).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,13 +54,17 @@ def _unstack(o: Tensor, lse: Tensor, hq: int, lq: int) -> tuple[Tensor, Tensor]:
 def _check(q: Tensor, k: Tensor, v: Tensor) -> int:
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Hq, Lq, D], got shape {tuple(q.shape)}")
-    return check_attention_shapes(q, None, None, k, v) if k.shape[2] else \
-        check_attention_shapes(q, None, None, None, None, n_prefix=1, hkv=k.shape[1])
+    return (
+        check_attention_shapes(q, None, None, k, v)
+        if k.shape[2]
+        else check_attention_shapes(q, None, None, None, None, n_prefix=1, hkv=k.shape[1])
+    )
 
 
 def _empty(q: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.zeros(q.shape, dtype=torch.float32, device=q.device), \
-        torch.full(q.shape[:3], float("-inf"), device=q.device)
+    return torch.zeros(q.shape, dtype=torch.float32, device=q.device), torch.full(
+        q.shape[:3], float("-inf"), device=q.device
+    )
 
 
 def prefix_attention_lse_ref(q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None = None) -> tuple[Tensor, Tensor]:
@@ -73,8 +78,9 @@ def prefix_attention_lse_ref(q: Tensor, k: Tensor, v: Tensor, sm_scale: float | 
     return _unstack(torch.exp(s - lse[..., None]) @ v.float(), lse, q.shape[1], q.shape[2])
 
 
-def prefix_attention_lse(q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None = None, *,
-                         backend: str = "auto") -> tuple[Tensor, Tensor]:
+def prefix_attention_lse(
+    q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None = None, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """(out float32 [B, Hq, Lq, D], lse float32 [B, Hq, Lq]) of q over a fully visible prefix K/V
     [B, Hkv, T, D] (any float dtype; T may be 0: out 0, lse -inf). CPU: the fused flash kernel."""
     hkv = _check(q, k, v)
@@ -87,8 +93,9 @@ def prefix_attention_lse(q: Tensor, k: Tensor, v: Tensor, sm_scale: float | None
     return _unstack(o.float(), lse, hq, lq)
 
 
-def tail_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None,
-                       sm_scale: float | None = None) -> tuple[Tensor, Tensor]:
+def tail_attention_lse(
+    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None, sm_scale: float | None = None
+) -> tuple[Tensor, Tensor]:
     """(out, lse) of q over a causal tail K/V [B, Hkv, L, D], float32 math. Row b holds lengths[b]
     (default L) valid entries; its query i sees tail j <= lengths[b] - Lq + i. Entries past a row's
     length are never read into the result (masked), so they may hold anything finite."""
@@ -100,23 +107,31 @@ def tail_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None =
     if lengths.shape != (b,) or int(lengths.min()) < lq or int(lengths.max()) > n:
         raise ValueError(f"tail lengths {lengths.tolist()} must be [B={b}] values in [Lq={lq}, L={n}]")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    s = _stack(q, hkv, scale) @ k.float().transpose(-1, -2)                 # [B, Hkv, G*Lq, L]
+    s = _stack(q, hkv, scale) @ k.float().transpose(-1, -2)  # [B, Hkv, G*Lq, L]
     i = torch.arange(s.shape[2], device=q.device) % lq
-    limit = lengths[:, None] - lq + i[None]                                 # [B, G*Lq]: last visible j
+    limit = lengths[:, None] - lq + i[None]  # [B, G*Lq]: last visible j
     vis = torch.arange(n, device=q.device)[None, None] <= limit[:, :, None]
     s = s.masked_fill(~vis[:, None], float("-inf"))
     lse = torch.logsumexp(s, -1)
     return _unstack(torch.exp(s - lse[..., None]) @ v.float(), lse, hq, lq)
 
 
-def cache_attention_ref(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None,
-                        sm_scale: float | None = None) -> Tensor:
+def cache_attention_ref(
+    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None, sm_scale: float | None = None
+) -> Tensor:
     """Reference of cache_attention: tail_attention_lse's output in q's dtype."""
     return tail_attention_lse(q, k, v, lengths, sm_scale)[0].to(q.dtype)
 
 
-def cache_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None,
-                    sm_scale: float | None = None, *, backend: str = "auto") -> Tensor:
+def cache_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor | None = None,
+    sm_scale: float | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
     """Decode attention over a batched cache K/V [B, Hkv, L, D] (any float dtype, views fine) whose row
     b holds lengths[b] valid entries (default L), the Lq queries being the last Lq of them (causal
     bottom-right per row) -> [B, Hq, Lq, D] in q's dtype. CUDA: verify_attention (Triton) per row
@@ -130,20 +145,25 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = No
     if use_triton(backend, q, k, v):
         if lengths is None or bool((lengths == n).all()):
             return verify_attention(q, k, v, sm_scale, backend=backend)
-        return torch.cat([verify_attention(q[i:i + 1], k[i:i + 1, :, :m], v[i:i + 1, :, :m], sm_scale,
-                                           backend=backend) for i, m in enumerate(lengths.tolist())])
+        return torch.cat(
+            [
+                verify_attention(q[i : i + 1], k[i : i + 1, :, :m], v[i : i + 1, :, :m], sm_scale, backend=backend)
+                for i, m in enumerate(lengths.tolist())
+            ]
+        )
     if not (use_fused_cpu(backend, q, k, v) and k.dtype in FUSED_DTYPES and v.dtype == k.dtype):
         return cache_attention_ref(q, k, v, lengths, sm_scale)
     rows = hq // hkv * lq
     mask = None
     if lq > 1 or (lengths is not None and bool((lengths != n).any())):
         lens = torch.full((b,), n, device=q.device) if lengths is None else lengths
-        limit = lens[:, None] - lq + torch.arange(rows, device=q.device)[None] % lq      # [B, rows]
+        limit = lens[:, None] - lq + torch.arange(rows, device=q.device)[None] % lq  # [B, rows]
         vis = torch.arange(n, device=q.device)[None, None] <= limit[:, :, None]
         mask = torch.zeros(vis.shape, dtype=k.dtype, device=q.device).masked_fill_(~vis, float("-inf"))[:, None]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.reshape(b, hkv, rows, d).to(k.dtype), k, v, attn_mask=mask, scale=scale)
+        q.reshape(b, hkv, rows, d).to(k.dtype), k, v, attn_mask=mask, scale=scale
+    )
     return o.reshape(b, hq, lq, d).to(q.dtype)
 
 
@@ -155,9 +175,16 @@ def merge_attention(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> Tensor:
     return (w1 * o1.float() + w2 * o2.float()) / (w1 + w2)
 
 
-def prefix_attention(q: Tensor, k: Tensor, v: Tensor, k_tail: Tensor | None = None,
-                     v_tail: Tensor | None = None, sm_scale: float | None = None, *,
-                     backend: str = "auto") -> Tensor:
+def prefix_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_tail: Tensor | None = None,
+    v_tail: Tensor | None = None,
+    sm_scale: float | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
     """attention_ref semantics (prefix [B?, Hkv, T, D] fully visible, tail [B?, Hkv, Lt, D] causal
     bottom-right) -> [B?, Hq, Lq, D] in q's dtype. Triton dense kernel on CUDA; on CPU the fused
     prefix path merged with tail_attention_lse; backend="ref" (or VERICACHE_KERNELS=ref): attention_ref."""
@@ -178,5 +205,12 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, k_tail: Tensor | None = No
     return out if had else out.squeeze(0)
 
 
-__all__ = ["cache_attention", "cache_attention_ref", "prefix_attention", "prefix_attention_lse",
-           "prefix_attention_lse_ref", "tail_attention_lse", "merge_attention"]
+__all__ = [
+    "cache_attention",
+    "cache_attention_ref",
+    "prefix_attention",
+    "prefix_attention_lse",
+    "prefix_attention_lse_ref",
+    "tail_attention_lse",
+    "merge_attention",
+]

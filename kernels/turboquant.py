@@ -13,6 +13,7 @@ In code, with row vectors: y = x @ R.T / norm, x_hat = norm * (c[code] @ R).
 Attention never needs R inside the kernel: q.k = (q R^T).(R k), so the kernel reads codes in the
 rotated domain with a rotated query (and rotated tail) and rotates the output back once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,7 +50,7 @@ def lloyd_max_gaussian(bits: int, iters: int = 20000, tol: float = 1e-10) -> tup
     for _ in range(iters):
         t = (c[:-1] + c[1:]) / 2
         a, b = torch.cat([-inf, t]), torch.cat([t, inf])
-        pdf = lambda z: torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)   # noqa: E731 (0 at +-inf)
+        pdf = lambda z: torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)  # noqa: E731 (0 at +-inf)
         mass = 0.5 * (torch.special.erfc(-b / math.sqrt(2)) - torch.special.erfc(-a / math.sqrt(2)))
         new = (pdf(a) - pdf(b)) / mass
         done = (new - c).abs().max().item() < tol
@@ -69,7 +70,7 @@ def _rotation_cpu(dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(dim, dim, generator=g, dtype=torch.float64)
     qm, r = torch.linalg.qr(a)
-    return (qm * torch.sign(torch.diagonal(r))).float()          # Haar-distributed orthogonal
+    return (qm * torch.sign(torch.diagonal(r))).float()  # Haar-distributed orthogonal
 
 
 def turbo_rotation(dim: int, seed: int = 0, device=None) -> torch.Tensor:
@@ -90,7 +91,7 @@ def turbo_quantize(x: torch.Tensor, bits: int, seed: int = 0) -> tuple[torch.Ten
     norm = norm16.float().unsqueeze(-1)
     y = (xf / torch.where(norm == 0, torch.ones_like(norm), norm)) @ turbo_rotation(d, seed, x.device).T
     cb = turbo_codebook(bits, d, x.device)
-    codes = torch.bucketize(y, (cb[:-1] + cb[1:]) / 2).to(torch.uint8)   # nearest centroid
+    codes = torch.bucketize(y, (cb[:-1] + cb[1:]) / 2).to(torch.uint8)  # nearest centroid
     return pack_bits_ref(codes, bits), norm16
 
 
@@ -110,9 +111,21 @@ def turbo_dequantize(packed, norms, bits: int, seed: int = 0, dtype=torch.float3
     return (y @ turbo_rotation(y.shape[-1], seed, packed.device)).to(dtype)
 
 
-def turbo_decode_attention_ref(q, k_packed, k_norm, v_packed, v_norm, *, bits: int,
-                               v_bits: int | None = None, seed: int = 0, v_seed: int | None = None,
-                               k_tail=None, v_tail=None, sm_scale: float | None = None) -> torch.Tensor:
+def turbo_decode_attention_ref(
+    q,
+    k_packed,
+    k_norm,
+    v_packed,
+    v_norm,
+    *,
+    bits: int,
+    v_bits: int | None = None,
+    seed: int = 0,
+    v_seed: int | None = None,
+    k_tail=None,
+    v_tail=None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """Reference, in the rotated domain: since R is orthogonal, q.k_hat = (q R^T).(norm c[code]) and
     sum_j p_j v_hat_j = (sum_j p_j norm_j c[code_j]) R, so rotate q and the tail by R^T, attend over
     norm * c[code] (decoded block by block, attention_ref_streamed) and rotate the output back by
@@ -137,16 +150,29 @@ def turbo_decode_attention_ref(q, k_packed, k_norm, v_packed, v_norm, *, bits: i
     def load_v(s, e):
         return turbo_dequantize_rotated(vp[..., s:e, :], vn[..., s:e], v_bits)
 
-    out = attention_ref_streamed(rotate(q4), hkv, t, load_k, load_v, block_tokens(b, hkv, d, 1),
-                                 rotate(kt), rotate(vt, v_rot), sm_scale)
+    out = attention_ref_streamed(
+        rotate(q4), hkv, t, load_k, load_v, block_tokens(b, hkv, d, 1), rotate(kt), rotate(vt, v_rot), sm_scale
+    )
     out = (out @ v_rot).to(q.dtype)
     return out if had else out.squeeze(0)
 
 
-def turbo_decode_attention(q, k_packed, k_norm, v_packed, v_norm, *, bits: int,
-                           v_bits: int | None = None, seed: int = 0, v_seed: int | None = None,
-                           k_tail=None, v_tail=None, sm_scale: float | None = None,
-                           backend: str = "auto") -> torch.Tensor:
+def turbo_decode_attention(
+    q,
+    k_packed,
+    k_norm,
+    v_packed,
+    v_norm,
+    *,
+    bits: int,
+    v_bits: int | None = None,
+    seed: int = 0,
+    v_seed: int | None = None,
+    k_tail=None,
+    v_tail=None,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Attention of q [B?, Hq, Lq, D] over TurboQuant-coded K/V [B?, Hkv, T, D*bits/8] (+ norms
     [B?, Hkv, T]) and an optional full-precision tail; keys were coded with `seed`, values with
     `v_seed` (default: the same seed). -> [B?, Hq, Lq, D]."""
@@ -156,22 +182,46 @@ def turbo_decode_attention(q, k_packed, k_norm, v_packed, v_norm, *, bits: int,
     _check_bits(v_bits)
     d = q.shape[-1]
     if k_packed.shape[-1] * 8 != d * bits or v_packed.shape[-1] * 8 != d * v_bits:
-        raise ValueError(f"packed K/V last dims {k_packed.shape[-1]}/{v_packed.shape[-1]} do not hold "
-                         f"head dim {d} at {bits}/{v_bits} bits")
+        raise ValueError(
+            f"packed K/V last dims {k_packed.shape[-1]}/{v_packed.shape[-1]} do not hold "
+            f"head dim {d} at {bits}/{v_bits} bits"
+        )
     if use_triton(backend, q, k_packed, v_packed, k_tail):
         from ._attn_triton import triton_supports, turbo_attention_triton
 
         if triton_supports(d, bits, v_bits):
             rot, v_rot = turbo_rotation(d, seed, q.device), turbo_rotation(d, v_seed, q.device)
+
             # rotate q and the tail into the code domains, attend, rotate the output back
             def rotate(x, r=rot):
                 return None if x is None else (x.float() @ r.T).to(x.dtype)
 
-            out = turbo_attention_triton(rotate(q), k_packed, k_norm, v_packed, v_norm,
-                                         turbo_codebook(bits, d, q.device),
-                                         turbo_codebook(v_bits, d, q.device), bits=bits, v_bits=v_bits,
-                                         k_tail=rotate(k_tail), v_tail=rotate(v_tail, v_rot), sm_scale=sm_scale)
+            out = turbo_attention_triton(
+                rotate(q),
+                k_packed,
+                k_norm,
+                v_packed,
+                v_norm,
+                turbo_codebook(bits, d, q.device),
+                turbo_codebook(v_bits, d, q.device),
+                bits=bits,
+                v_bits=v_bits,
+                k_tail=rotate(k_tail),
+                v_tail=rotate(v_tail, v_rot),
+                sm_scale=sm_scale,
+            )
             return (out.float() @ v_rot).to(q.dtype)
-    return turbo_decode_attention_ref(q, k_packed, k_norm, v_packed, v_norm, bits=bits, v_bits=v_bits,
-                                      seed=seed, v_seed=v_seed, k_tail=k_tail, v_tail=v_tail,
-                                      sm_scale=sm_scale)
+    return turbo_decode_attention_ref(
+        q,
+        k_packed,
+        k_norm,
+        v_packed,
+        v_norm,
+        bits=bits,
+        v_bits=v_bits,
+        seed=seed,
+        v_seed=v_seed,
+        k_tail=k_tail,
+        v_tail=v_tail,
+        sm_scale=sm_scale,
+    )

@@ -39,8 +39,10 @@ class BackendOptions:
     def pop_from(cls, opts: dict) -> "BackendOptions":
         """Take the shared options out of `opts` (URL query + keyword options); the rest stay."""
         defaults = cls()
-        return cls(timeout_s=pop_float(opts, "timeout_s", defaults.timeout_s),
-                   connect_timeout_s=pop_float(opts, "connect_timeout_s", defaults.connect_timeout_s))
+        return cls(
+            timeout_s=pop_float(opts, "timeout_s", defaults.timeout_s),
+            connect_timeout_s=pop_float(opts, "connect_timeout_s", defaults.connect_timeout_s),
+        )
 
 
 class StorageBackend(ABC):
@@ -144,7 +146,4 @@ def open_backend(url: str, **opts) -> StorageBackend:
         from .nixl_connector import NixlBackend
 
         return NixlBackend(url, **opts)
-    raise ValueError(
-        f"bad store URL {url!r}: unknown scheme {scheme!r} "
-        "(expected local, redis, s3 or nixl)"
-    )
+    raise ValueError(f"bad store URL {url!r}: unknown scheme {scheme!r} (expected local, redis, s3 or nixl)")

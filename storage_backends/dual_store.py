@@ -43,10 +43,21 @@ class DualCopyStore:
     write_batch_bytes: full chunks are serialized and written in batches this big.
     """
 
-    def __init__(self, url: str | StorageBackend, model_name: str, dtype: torch.dtype | str,
-                 chunk_size: int = 256, bandwidth_bytes_per_s: float | None = None, *,
-                 world_size: int = 1, worker_id: int = 0, algo: str = "blake2b",
-                 prefetch_layers: int = 2, write_batch_bytes: int = 64 << 20, **backend_opts):
+    def __init__(
+        self,
+        url: str | StorageBackend,
+        model_name: str,
+        dtype: torch.dtype | str,
+        chunk_size: int = 256,
+        bandwidth_bytes_per_s: float | None = None,
+        *,
+        world_size: int = 1,
+        worker_id: int = 0,
+        algo: str = "blake2b",
+        prefetch_layers: int = 2,
+        write_batch_bytes: int = 64 << 20,
+        **backend_opts,
+    ):
         self.keys = KeySpace(model_name, dtype, chunk_size, world_size, worker_id)
         checksum(b"", algo)  # validates algo
         self.algo = algo
@@ -68,9 +79,15 @@ class DualCopyStore:
         await self.close()
 
     # ---------------------------------------------------------------- writes
-    async def put_prefix(self, token_ids: Sequence[int], full_layers: Layers | None = None,
-                         compressed: Mapping[str, tuple[Mapping[str, Any], Layers]] | None = None,
-                         *, token_dim: int = 1, overwrite: bool = False) -> PutResult:
+    async def put_prefix(
+        self,
+        token_ids: Sequence[int],
+        full_layers: Layers | None = None,
+        compressed: Mapping[str, tuple[Mapping[str, Any], Layers]] | None = None,
+        *,
+        token_dim: int = 1,
+        overwrite: bool = False,
+    ) -> PutResult:
         """Store the full copy and/or compressed copies of the prefix token_ids.
 
         full_layers: one {"k": [H, T, D], "v": [H, T, D], ...} per layer for the
@@ -95,12 +112,12 @@ class DualCopyStore:
                 meta, layers = value
             except (TypeError, ValueError):
                 raise ValueError(f"compressed[{spec!r}] must be (meta, layers)") from None
-            result.compressed_bytes[spec] = await self._put_copy(
-                chunks[-1], spec, meta, layers, 0, n, overwrite)
+            result.compressed_bytes[spec] = await self._put_copy(chunks[-1], spec, meta, layers, 0, n, overwrite)
         return result
 
-    async def _put_full(self, chunks: list[ChunkKey], layers: Layers, token_dim: int,
-                        overwrite: bool, result: PutResult) -> None:
+    async def _put_full(
+        self, chunks: list[ChunkKey], layers: Layers, token_dim: int, overwrite: bool, result: PutResult
+    ) -> None:
         n = chunks[-1].end
         if not layers:
             raise ValueError("full_layers is empty")
@@ -110,8 +127,9 @@ class DualCopyStore:
             for name, t in layer.items():
                 d = token_dim if token_dim >= 0 else t.dim() + token_dim
                 if not 0 <= d < t.dim() or t.shape[d] != n:
-                    raise ValueError(f"full_layers[{i}][{name!r}] has shape {tuple(t.shape)}: "
-                                     f"expected {n} tokens on dim {token_dim}")
+                    raise ValueError(
+                        f"full_layers[{i}][{name!r}] has shape {tuple(t.shape)}: expected {n} tokens on dim {token_dim}"
+                    )
         present = [False] * len(chunks)
         if not overwrite:
             present = await self.backend.exists_many([c.copy(FULL) for c in chunks])
@@ -120,7 +138,7 @@ class DualCopyStore:
         per_token = sum(t.numel() * t.element_size() for layer in layers for t in layer.values()) / n
         per_batch = max(1, int(self.write_batch_bytes // max(1.0, per_token * self.keys.chunk_size)))
         for b in range(0, len(todo), per_batch):
-            batch = todo[b:b + per_batch]
+            batch = todo[b : b + per_batch]
             encoded = await asyncio.to_thread(self._encode_chunks, batch, layers, token_dim)
             await self.backend.put_many({m.payload_key: data for m, data in encoded})
             await self.backend.put_many({m.key: m.to_bytes() for m, _ in encoded})  # manifests last
@@ -130,28 +148,35 @@ class DualCopyStore:
     def _encode_chunks(self, batch: list[ChunkKey], layers: Layers, token_dim: int):
         out = []
         for c in batch:
-            part = [{k: t.narrow(token_dim, c.start, c.end - c.start) for k, t in layer.items()}
-                    for layer in layers]
+            part = [{k: t.narrow(token_dim, c.start, c.end - c.start) for k, t in layer.items()} for layer in layers]
             out.append(self._encode(c, FULL, {"token_dim": token_dim}, part, c.start, c.end))
         return out
 
-    def _encode(self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers,
-                start: int, end: int) -> tuple[Manifest, bytes]:
+    def _encode(
+        self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers, start: int, end: int
+    ) -> tuple[Manifest, bytes]:
         data, spans = serialize(meta, layers)
         whole = checksum(data, self.algo)
         view = memoryview(data)
         m = Manifest(
-            key=chunk.copy(spec), copy=spec, model=self.keys.model_name, dtype=self.keys.dtype_name,
-            payload_key=chunk.blob(spec, whole[:16]), size=len(data), checksum=whole,
-            layers=[LayerEntry(s.offset, s.length, checksum(view[s.offset:s.end], self.algo))
-                    for s in spans],
-            start_token=start, end_token=end, algo=self.algo,
+            key=chunk.copy(spec),
+            copy=spec,
+            model=self.keys.model_name,
+            dtype=self.keys.dtype_name,
+            payload_key=chunk.blob(spec, whole[:16]),
+            size=len(data),
+            checksum=whole,
+            layers=[LayerEntry(s.offset, s.length, checksum(view[s.offset : s.end], self.algo)) for s in spans],
+            start_token=start,
+            end_token=end,
+            algo=self.algo,
             meta={"token_dim": meta.get("token_dim")} if spec == FULL else {},
         )
         return m, data
 
-    async def _put_copy(self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers,
-                        start: int, end: int, overwrite: bool) -> int:
+    async def _put_copy(
+        self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers, start: int, end: int, overwrite: bool
+    ) -> int:
         m, data = await asyncio.to_thread(self._encode, chunk, spec, meta, layers, start, end)
         if not overwrite:
             old = await self.backend.get(m.key)
@@ -189,15 +214,17 @@ class DualCopyStore:
         try:
             m = Manifest.from_bytes(raw, key)
             if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
-                raise CorruptObject(f"manifest {key!r} is for {m.model}/{m.dtype}, "
-                                    f"not {self.keys.model_name}/{self.keys.dtype_name}")
+                raise CorruptObject(
+                    f"manifest {key!r} is for {m.model}/{m.dtype}, not {self.keys.model_name}/{self.keys.dtype_name}"
+                )
             return m
         except CorruptObject as e:
             logger.warning("corrupt manifest: %s", e)
             raise
 
-    async def get_compressed(self, token_ids: Sequence[int], spec: str
-                             ) -> tuple[dict, list[dict[str, torch.Tensor]]] | None:
+    async def get_compressed(
+        self, token_ids: Sequence[int], spec: str
+    ) -> tuple[dict, list[dict[str, torch.Tensor]]] | None:
         """(meta, layers) of compressed copy ``spec`` of exactly this prefix, or None."""
         from .serialization import deserialize
 
@@ -252,17 +279,21 @@ class DualCopyStore:
         manifests = []
         for c, key, raw in zip(chunks, keys, raws):
             if raw is None:
-                raise MissingObject(f"full copy of tokens [{c.start}, {c.end}) is not stored "
-                                    f"({self.keys.model_name}/{self.keys.dtype_name}, key {key!r})")
+                raise MissingObject(
+                    f"full copy of tokens [{c.start}, {c.end}) is not stored "
+                    f"({self.keys.model_name}/{self.keys.dtype_name}, key {key!r})"
+                )
             m = Manifest.from_bytes(raw, key)
             if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
                 raise CorruptObject(f"manifest {key!r} is for {m.model}/{m.dtype}")
             if (m.start_token, m.end_token) != (c.start, c.end):
-                raise CorruptObject(f"manifest {key!r} covers tokens [{m.start_token}, {m.end_token}), "
-                                    f"expected [{c.start}, {c.end})")
+                raise CorruptObject(
+                    f"manifest {key!r} covers tokens [{m.start_token}, {m.end_token}), expected [{c.start}, {c.end})"
+                )
             if manifests and len(m.layers) != len(manifests[0].layers):
-                raise CorruptObject(f"manifest {key!r} has {len(m.layers)} layers, "
-                                    f"chunk 0 has {len(manifests[0].layers)}")
+                raise CorruptObject(
+                    f"manifest {key!r} has {len(m.layers)} layers, chunk 0 has {len(manifests[0].layers)}"
+                )
             manifests.append(m)
         return manifests
 
@@ -274,8 +305,7 @@ class DualCopyStore:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # hand the error to the consumer, in order
-            logger.warning("full-copy stream failed at layer %d: %s: %s",
-                           layer_idx, type(e).__name__, e)
+            logger.warning("full-copy stream failed at layer %d: %s: %s", layer_idx, type(e).__name__, e)
             await queue.put(e)
 
     async def _fetch_layer(self, m: Manifest, layer_idx: int) -> bytes:

@@ -37,8 +37,12 @@ _DTYPE_STR = {
     torch.int64: "int64",
     torch.bool: "bool",
 }
-for _name, _s in (("float8_e4m3fn", "fp8_e4m3fn"), ("float8_e5m2", "fp8_e5m2"),
-                  ("float8_e4m3fnuz", "fp8_e4m3fnuz"), ("float8_e5m2fnuz", "fp8_e5m2fnuz")):
+for _name, _s in (
+    ("float8_e4m3fn", "fp8_e4m3fn"),
+    ("float8_e5m2", "fp8_e5m2"),
+    ("float8_e4m3fnuz", "fp8_e4m3fnuz"),
+    ("float8_e5m2fnuz", "fp8_e5m2fnuz"),
+):
     if hasattr(torch, _name):
         _DTYPE_STR[getattr(torch, _name)] = _s
 _STR_DTYPE = {v: k for k, v in _DTYPE_STR.items()}
@@ -64,9 +68,7 @@ def dtype_str(dtype: torch.dtype | str) -> str:
 def check_spec(spec: str) -> str:
     """A copy spec ('full' or a compressor spec like 'kivi:bits=4,group=32')."""
     if not isinstance(spec, str) or not _SPEC_RE.match(spec):
-        raise ValueError(
-            f"bad copy spec {spec!r}: use letters, digits and _.:=,+- only (no @ % / spaces)"
-        )
+        raise ValueError(f"bad copy spec {spec!r}: use letters, digits and _.:=,+- only (no @ % / spaces)")
     return spec
 
 
@@ -88,7 +90,7 @@ def chain_hashes(token_ids: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE)
     prev = b"\x00" * 8
     out = []
     for start in range(0, len(tokens), chunk_size):
-        chunk = tokens[start:start + chunk_size]
+        chunk = tokens[start : start + chunk_size]
         try:
             data = struct.pack(f"<{len(chunk)}q", *chunk)
         except struct.error as e:
@@ -137,8 +139,7 @@ class KeySpace:
         object.__setattr__(self, "dtype_name", dtype_str(self.dtype))
 
     def base_key(self, chunk_hash: int) -> str:
-        return (f"{self.model_name}@{self.world_size}@{self.worker_id}"
-                f"@{chunk_hash:x}@{self.dtype_name}")
+        return f"{self.model_name}@{self.world_size}@{self.worker_id}@{chunk_hash:x}@{self.dtype_name}"
 
     def chunks(self, token_ids: Sequence[int]) -> list[ChunkKey]:
         """Keys of every chunk of token_ids, in order; the last may be partial."""

@@ -40,7 +40,7 @@ def resolve_plugin_options(config, cls_name: str) -> dict:
     for name in getattr(config, "remote_storage_plugins", None) or []:
         if extra.get(f"remote_storage_plugin.{name}.class_name") == cls_name:
             head = f"remote_storage_plugin.{name}."
-            opts = {k[len(head):]: v for k, v in extra.items() if k.startswith(head)}
+            opts = {k[len(head) :]: v for k, v in extra.items() if k.startswith(head)}
             opts.pop("module_path", None)
             opts.pop("class_name", None)
             if opts.get("url"):
@@ -91,13 +91,16 @@ class VeriCacheRemoteConnector(RemoteConnector):
     @staticmethod
     def encode(memory_obj) -> bytes:
         raw = bytes(memory_obj.byte_array)
-        header = json.dumps({
-            "shapes": [list(s) for s in memory_obj.get_shapes()],
-            "dtypes": [_dtype_name(d) for d in memory_obj.get_dtypes()],
-            "fmt": int(memory_obj.get_memory_format().value),
-            "length": len(raw),
-            "crc32": zlib.crc32(raw) & 0xFFFFFFFF,
-        }, separators=(",", ":")).encode()
+        header = json.dumps(
+            {
+                "shapes": [list(s) for s in memory_obj.get_shapes()],
+                "dtypes": [_dtype_name(d) for d in memory_obj.get_dtypes()],
+                "fmt": int(memory_obj.get_memory_format().value),
+                "length": len(raw),
+                "crc32": zlib.crc32(raw) & 0xFFFFFFFF,
+            },
+            separators=(",", ":"),
+        ).encode()
         return _PREFIX.pack(_MAGIC, len(header)) + header + raw
 
     @staticmethod
@@ -110,10 +113,10 @@ class VeriCacheRemoteConnector(RemoteConnector):
         if magic != _MAGIC:
             raise CorruptObject(f"bad magic {magic!r}")
         try:
-            header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + hlen]))
+            header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + hlen]))
         except ValueError as e:
             raise CorruptObject(f"header does not parse: {e}") from e
-        raw = memoryview(data)[_PREFIX.size + hlen:]
+        raw = memoryview(data)[_PREFIX.size + hlen :]
         if len(raw) != header.get("length"):
             raise CorruptObject(f"truncated: {len(raw)} bytes, header says {header.get('length')}")
         if zlib.crc32(raw) & 0xFFFFFFFF != header.get("crc32"):
@@ -156,7 +159,7 @@ class VeriCacheRemoteConnector(RemoteConnector):
             logger.warning("lmcache get %s: %d bytes do not fit %d", key_str, len(raw), len(view))
             memory_obj.ref_count_down()
             return None
-        view[:len(raw)] = raw
+        view[: len(raw)] = raw
         return memory_obj
 
     async def get(self, key):

@@ -103,8 +103,10 @@ class Manifest:
         if data is None:
             raise MissingObject(f"payload {self.payload_key!r} listed in manifest {self.key!r} is missing")
         if len(data) != length:
-            raise CorruptObject(f"payload {self.payload_key!r}{part} truncated or resized: "
-                                f"got {len(data)} bytes, manifest says {length}")
+            raise CorruptObject(
+                f"payload {self.payload_key!r}{part} truncated or resized: "
+                f"got {len(data)} bytes, manifest says {length}"
+            )
         if checksum(data, self.algo) != digest:
             raise CorruptObject(f"payload {self.payload_key!r}{part}: {self.algo} checksum mismatch")
         return data

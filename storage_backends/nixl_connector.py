@@ -55,15 +55,17 @@ class NixlBackend(StorageBackend):
             return
         try:
             self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), self.options.connect_timeout_s)
+                asyncio.open_connection(self.host, self.port), self.options.connect_timeout_s
+            )
         except (OSError, asyncio.TimeoutError) as e:
             raise StoreUnavailable(f"{self.url}: cannot connect: {type(e).__name__}: {e}") from e
         hello = await self._rpc({"op": "hello"})
         if self._agent is None:
             from nixl._api import nixl_agent, nixl_agent_config
 
-            self._agent = nixl_agent(f"vc-nixl-client-{uuid.uuid4().hex[:8]}",
-                                     nixl_agent_config(backends=[self.nixl_backend]))
+            self._agent = nixl_agent(
+                f"vc-nixl-client-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[self.nixl_backend])
+            )
         self._remote = self._agent.add_remote_agent(base64.b64decode(hello["meta"]))
         self._base = int(hello["base"])
 

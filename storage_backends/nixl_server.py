@@ -48,7 +48,7 @@ class Arena:
         size = max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
         for i, (off, n) in enumerate(self.free):
             if n >= size:
-                self.free[i:i + 1] = [(off + size, n - size)] if n > size else []
+                self.free[i : i + 1] = [(off + size, n - size)] if n > size else []
                 return off
         return None
 
@@ -66,8 +66,7 @@ class Arena:
 
 
 class NixlStoreServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 256 << 20,
-                 backend: str = "UCX"):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 256 << 20, backend: str = "UCX"):
         self.host, self.port = host, port
         self.capacity = int(capacity_bytes)
         self.backend = backend
@@ -104,8 +103,7 @@ class NixlStoreServer:
         def run():
             self._loop = asyncio.new_event_loop()
             try:
-                self._server = self._loop.run_until_complete(
-                    asyncio.start_server(self._serve, self.host, self.port))
+                self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, self.host, self.port))
                 self.port = self._server.sockets[0].getsockname()[1]
             except BaseException as e:  # report bind errors to start()
                 errors.append(e)
@@ -177,8 +175,12 @@ class NixlStoreServer:
     def handle(self, req: dict, conn: "_Conn") -> dict:
         op = req.get("op")
         if op == "hello":
-            return {"agent": self.name, "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                    "base": self.buf.data_ptr(), "capacity": self.capacity}
+            return {
+                "agent": self.name,
+                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                "base": self.buf.data_ptr(),
+                "capacity": self.capacity,
+            }
         if op == "alloc":
             size = int(req["size"])
             off = self._alloc(size) if 0 <= size <= self.capacity else None

@@ -62,8 +62,9 @@ def decode_layer(blob: bytes) -> dict[str, torch.Tensor]:
         raise CorruptObject(f"layer blob does not decode: {type(e).__name__}: {e}") from e
 
 
-def serialize(meta: Mapping[str, Any] | None, layers: Sequence[Mapping[str, torch.Tensor]]
-              ) -> tuple[bytes, list[LayerSpan]]:
+def serialize(
+    meta: Mapping[str, Any] | None, layers: Sequence[Mapping[str, torch.Tensor]]
+) -> tuple[bytes, list[LayerSpan]]:
     """Bytes of the payload and the absolute span of each layer inside it."""
     blobs = [encode_layer(layer) for layer in layers]
     rel, pos = [], 0
@@ -73,7 +74,8 @@ def serialize(meta: Mapping[str, Any] | None, layers: Sequence[Mapping[str, torc
     try:
         header = json.dumps(
             {"v": FORMAT_VERSION, "meta": dict(meta or {}), "layers": rel},
-            separators=(",", ":"), sort_keys=True,
+            separators=(",", ":"),
+            sort_keys=True,
         ).encode()
     except TypeError as e:
         raise ValueError(f"meta is not JSON-serializable: {e}") from e
@@ -92,7 +94,7 @@ def read_header(data: bytes) -> tuple[dict, list[LayerSpan]]:
     if len(data) < _PREFIX.size + hlen:
         raise CorruptObject(f"payload header truncated ({len(data)} < {_PREFIX.size + hlen})")
     try:
-        header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + hlen]))
+        header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + hlen]))
         start = _PREFIX.size + hlen
         spans = [LayerSpan(start + int(o), int(n)) for o, n in header["layers"]]
         return header["meta"], spans
@@ -105,4 +107,4 @@ def deserialize(data: bytes) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     if spans and spans[-1].end > len(data):
         raise CorruptObject(f"payload truncated: {len(data)} bytes, layers need {spans[-1].end}")
     view = memoryview(data)
-    return meta, [decode_layer(view[s.offset:s.end]) for s in spans]
+    return meta, [decode_layer(view[s.offset : s.end]) for s in spans]

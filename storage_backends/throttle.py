@@ -47,8 +47,7 @@ class TokenBucket:
 class ThrottledBackend(StorageBackend):
     """Wraps a backend; bytes read (and, if given, written) pass a token bucket."""
 
-    def __init__(self, inner: StorageBackend, read_bytes_per_s: float | None,
-                 write_bytes_per_s: float | None = None):
+    def __init__(self, inner: StorageBackend, read_bytes_per_s: float | None, write_bytes_per_s: float | None = None):
         self.inner = inner
         self.url = inner.url
         self.read_bucket = TokenBucket(read_bytes_per_s) if read_bytes_per_s else None

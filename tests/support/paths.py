@@ -1,4 +1,5 @@
 """Where things are, for tests that read the repository's own files or run its scripts."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,7 @@ def load_benchmark(name: str):
     import sys
 
     if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))     # the scripts import bench_paths, their sibling
+        sys.path.insert(0, str(BENCH))  # the scripts import bench_paths, their sibling
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -61,9 +61,10 @@ class RedisProcess:
         need(exe is not None, "redis-server binary is not installed (apt-get install redis-server)")
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", tmpdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no", "--dir", tmpdir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

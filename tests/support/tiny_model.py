@@ -1,5 +1,6 @@
 """A tiny random-weight Llama (2 layers, vocab 256) wrapped in a VeriCacheEngine: fast tests of the
 engine's machinery, where exactness against its own full-KV decoding is what is checked."""
+
 from __future__ import annotations
 
 import torch
@@ -9,10 +10,24 @@ from vericache_connector.engine.model import CausalLM, ModelConfig
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    cfg = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-               num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
-               rope_scaling=None, max_position=4096, tie_word_embeddings=False, attention_bias=False,
-               qk_norm=False, eos_token_ids=())
+    cfg = dict(
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        eos_token_ids=(),
+    )
     return ModelConfig(**{**cfg, **overrides})
 
 

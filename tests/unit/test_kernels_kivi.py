@@ -40,7 +40,7 @@ def test_keys_roundtrip_within_half_scale(bits, dtype):
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_values_roundtrip_within_half_scale(bits):
-    v = _rand(2, 63, 32, seed=bits)   # T = 63: values need no token grouping
+    v = _rand(2, 63, 32, seed=bits)  # T = 63: values need no token grouping
     packed, scale, mn = kivi_quantize_values(v, bits, 16)
     assert packed.shape == (2, 63, 32 * bits // 8) and scale.shape == mn.shape == (2, 63, 2)
     back = kivi_dequantize_values(packed, scale, mn, bits, 16, dtype=torch.float16)
@@ -55,19 +55,19 @@ def test_stored_format_is_the_documented_math():
     k = _rand(2, 64, 8, seed=7)
     bits, grp = 3, 16
     packed, scale, mn = kivi_quantize_keys(k, bits, grp)
-    codes = unpack_bits(packed, bits, 8).float()                       # [2, 64, 8]
+    codes = unpack_bits(packed, bits, 8).float()  # [2, 64, 8]
     s = scale.float().repeat_interleave(grp, 1)
     m = mn.float().repeat_interleave(grp, 1)
-    want = torch.round((k - m) / s).clamp(0, 2 ** bits - 1)
+    want = torch.round((k - m) / s).clamp(0, 2**bits - 1)
     assert torch.equal(codes, want)
     assert torch.equal(kivi_dequantize_keys(packed, scale, mn, bits, grp), codes * s + m)
     kg = k.reshape(2, 4, grp, 8)
-    assert (mn.float() <= kg.amin(2)).all()                             # mn rounded down
-    assert (mn.float() + (2 ** bits - 1) * scale.float() >= kg.amax(2) - 1e-5).all()
+    assert (mn.float() <= kg.amin(2)).all()  # mn rounded down
+    assert (mn.float() + (2**bits - 1) * scale.float() >= kg.amax(2) - 1e-5).all()
 
 
 def test_constant_group_is_exact_and_zero_scale():
-    k = torch.full((1, 32, 8), 0.125)          # fp16-representable: mn is exact, scale 0
+    k = torch.full((1, 32, 8), 0.125)  # fp16-representable: mn is exact, scale 0
     v = torch.full((1, 5, 8), -3.5)
     kp, ks, km = kivi_quantize_keys(k, 2, 32)
     vp, vs, vm = kivi_quantize_values(v, 2, 8)
@@ -112,12 +112,13 @@ from attention_oracle import oracle  # noqa: E402
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_decode_attention_matches_oracle(t_total, lq, batch, bits, monkeypatch):
     import vericache_kernels.kivi as kivi_mod
-    monkeypatch.setattr(kivi_mod, "block_tokens", lambda *a: 64)   # several dequantized blocks
+
+    monkeypatch.setattr(kivi_mod, "block_tokens", lambda *a: 64)  # several dequantized blocks
     g = torch.Generator().manual_seed(t_total + bits)
     lead = () if batch is None else (batch,)
     hq, hkv, d, grp = 6, 2, 32, 32
     k, v = torch.randn(*lead, hkv, t_total, d, generator=g), torch.randn(*lead, hkv, t_total, d, generator=g)
-    tq = kivi_split(t_total, grp, min_residual=lq)   # remainder + the queries' own K/V stay full precision
+    tq = kivi_split(t_total, grp, min_residual=lq)  # remainder + the queries' own K/V stay full precision
     kp = kivi_quantize_keys(k[..., :tq, :], bits, grp)
     vp = kivi_quantize_values(v[..., :tq, :], bits, grp)
     kt, vt = k[..., tq:, :], v[..., tq:, :]
@@ -138,10 +139,15 @@ def test_kivi_decode_attention_half_dtypes(dtype, tol):
     k, v = torch.randn(3, 128, 64, generator=g), torch.randn(3, 128, 64, generator=g)
     kp, vp = kivi_quantize_keys(k, 4, 32), kivi_quantize_values(v, 4, 32)
     q = torch.randn(9, 1, 64, generator=g).to(dtype)
-    out = kivi_decode_attention(q, *kp, *vp, bits=4, k_group=32, v_group=32)   # no tail
+    out = kivi_decode_attention(q, *kp, *vp, bits=4, k_group=32, v_group=32)  # no tail
     assert out.dtype == dtype
-    want = oracle(q.float(), kivi_dequantize_keys(*kp, 4, 32), kivi_dequantize_values(*vp, 4, 32),
-                  torch.zeros(3, 0, 64), torch.zeros(3, 0, 64))
+    want = oracle(
+        q.float(),
+        kivi_dequantize_keys(*kp, 4, 32),
+        kivi_dequantize_values(*vp, 4, 32),
+        torch.zeros(3, 0, 64),
+        torch.zeros(3, 0, 64),
+    )
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 

@@ -1,4 +1,5 @@
 """pack_bits / unpack_bits dispatch (CPU path = reference) against an independent bit-stream model."""
+
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ def _pack_python(codes: list[int], bits: int) -> list[int]:
 def test_matches_python_bitstream(bits):
     g = torch.Generator().manual_seed(bits)
     n = pad_multiple(bits) * 5
-    codes = torch.randint(0, 2 ** bits, (3, n), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (3, n), generator=g, dtype=torch.uint8)
     packed = pack_bits(codes, bits)
     for row in range(3):
         assert packed[row].tolist() == _pack_python(codes[row].tolist(), bits)
@@ -36,7 +37,7 @@ def test_known_bytes():
 def test_roundtrip_odd_sizes(bits, rows):
     g = torch.Generator().manual_seed(rows * 10 + bits)
     n = pad_multiple(bits) * 3
-    codes = torch.randint(0, 2 ** bits, (rows, 2, n), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (rows, 2, n), generator=g, dtype=torch.uint8)
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (rows, 2, n * bits // 8)
     assert torch.equal(packed, pack_bits_ref(codes, bits))
@@ -55,7 +56,7 @@ def test_bad_bits(bits):
 
 def test_bad_lengths():
     with pytest.raises(ValueError, match="whole bytes"):
-        pack_bits(torch.zeros(5, dtype=torch.uint8), 3)       # 15 bits
+        pack_bits(torch.zeros(5, dtype=torch.uint8), 3)  # 15 bits
     with pytest.raises(ValueError, match="expected 2 bytes"):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 2, 8)
     with pytest.raises(ValueError, match="backend"):
@@ -66,11 +67,11 @@ def test_bad_lengths():
 def test_unpack_float_and_table(bits):
     g = torch.Generator().manual_seed(bits)
     n = pad_multiple(bits) * 4
-    codes = torch.randint(0, 2 ** bits, (5, 7, n), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (5, 7, n), generator=g, dtype=torch.uint8)
     packed = pack_bits_ref(codes, bits)
     out = unpack_bits_float(packed, bits, n)
     assert out.dtype == torch.float32 and torch.equal(out, codes.float())
-    table = torch.randn(2 ** bits, generator=g)
+    table = torch.randn(2**bits, generator=g)
     assert torch.equal(unpack_bits_float(packed, bits, n, values=table), table[codes.long()])
     with pytest.raises(ValueError, match="entries"):
-        unpack_bits_float(packed, bits, n, values=torch.zeros(2 ** bits + 1))
+        unpack_bits_float(packed, bits, n, values=torch.zeros(2**bits + 1))

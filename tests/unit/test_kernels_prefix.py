@@ -1,5 +1,6 @@
 """Prefix + tail attention pieces (kernels/prefix_attention.py) against float64 SDPA with explicit masks:
 the fused CPU path (auto) and the float32 references, on odd sizes, in float32/float16/bfloat16."""
+
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import vericache_kernels as K
 from attention_oracle import oracle
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-SIZES = [(63, 1, 4), (500, 3, 7), (4097, 4, 4)]      # (prefix T, queries Lq, tail Lt)
+SIZES = [(63, 1, 4), (500, 3, 7), (4097, 4, 4)]  # (prefix T, queries Lq, tail Lt)
 
 
 def _rand(g, *shape):
@@ -34,7 +35,7 @@ def test_prefix_lse_matches_oracle(t, lq, lt, dtype, backend):
     out, lse = K.prefix_attention_lse(q, k, v, backend=backend)
     assert out.dtype == lse.dtype == torch.float32 and lse.shape == (2, 9, lq)
     empty = k[..., :0, :].float()
-    qq = q.to(dtype).float() if backend == "auto" else q     # the fused path reads q in K's dtype
+    qq = q.to(dtype).float() if backend == "auto" else q  # the fused path reads q in K's dtype
     tol = TOL[dtype] if backend == "auto" else 2e-5
     torch.testing.assert_close(out.double(), oracle(qq, k.float(), v.float(), empty, empty), atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), _lse64(qq, k), atol=tol * 10, rtol=tol)
@@ -50,7 +51,7 @@ def test_prefix_lse_empty_prefix():
 def test_tail_lse_per_row_lengths(lq):
     g = torch.Generator().manual_seed(lq)
     q, k, v = _rand(g, 3, 6, lq, 32), _rand(g, 3, 2, 40, 32), _rand(g, 3, 2, 40, 32)
-    k[1, :, 20:] = 1e4                                     # past row 1's length: must not be read
+    k[1, :, 20:] = 1e4  # past row 1's length: must not be read
     lengths = torch.tensor([40, 20, 5])
     out, lse = K.tail_attention_lse(q, k, v, lengths)
     for b, n in enumerate(lengths.tolist()):
@@ -88,7 +89,7 @@ def test_prefix_attention_dispatch(t, lq, lt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cache_attention_rows_of_different_lengths(n, lq, dtype):
     g = torch.Generator().manual_seed(n + lq)
-    cap = n + 9                                             # a view into a larger buffer, as a cache has
+    cap = n + 9  # a view into a larger buffer, as a cache has
     k, v = _rand(g, 3, 3, cap, 64).to(dtype), _rand(g, 3, 3, cap, 64).to(dtype)
     q = _rand(g, 3, 9, lq, 64)
     lengths = torch.tensor([n, n - 17, lq + 2])
@@ -101,7 +102,7 @@ def test_cache_attention_rows_of_different_lengths(n, lq, dtype):
             qb = q[b].to(dtype).float() if backend == "auto" else q[b]
             want = oracle(qb, empty, empty, kv[b, :, :m].float(), vv[b, :, :m].float())
             torch.testing.assert_close(out[b].double(), want, atol=tol, rtol=tol)
-    same = K.cache_attention(q, kv, vv)                     # default: every row holds all n entries
+    same = K.cache_attention(q, kv, vv)  # default: every row holds all n entries
     torch.testing.assert_close(same, K.cache_attention(q, kv, vv, torch.full((3,), n)), atol=0, rtol=0)
 
 
@@ -111,14 +112,14 @@ def test_env_ref_forces_the_references(monkeypatch):
     fused = K.cache_attention(q, k, v)
     monkeypatch.setenv("VERICACHE_KERNELS", "ref")
     assert torch.equal(K.cache_attention(q, k, v), K.cache_attention_ref(q, k, v))
-    assert not torch.equal(fused, K.cache_attention_ref(q, k, v))   # auto really ran another path
+    assert not torch.equal(fused, K.cache_attention_ref(q, k, v))  # auto really ran another path
     assert torch.equal(K.prefix_attention_lse(q, k, v)[0], K.prefix_attention_lse_ref(q, k, v)[0])
 
 
 def test_bad_inputs_raise_value_error():
     q, k = torch.randn(1, 9, 2, 64), torch.randn(1, 3, 10, 64)
     with pytest.raises(ValueError, match="lengths"):
-        K.cache_attention(q, k, k, torch.tensor([1]))           # shorter than the 2 queries
+        K.cache_attention(q, k, k, torch.tensor([1]))  # shorter than the 2 queries
     with pytest.raises(ValueError, match="lengths"):
         K.tail_attention_lse(q, k, k, torch.tensor([11]))
     with pytest.raises(ValueError, match="backend"):

@@ -1,6 +1,7 @@
 """Triton kernels: on CUDA, direct comparisons with the references; without CUDA, the same kernels
 under the Triton interpreter (TRITON_INTERPRET=1, in a subprocess so the mode cannot leak) and an
 ahead-of-time sm_90 compile, both through benchmarks/gpu_kernels_check.py."""
+
 import json
 import os
 import subprocess
@@ -27,8 +28,9 @@ def test_import_has_no_side_effects():
 def _run_check(*flags) -> dict:
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, str(CHECK), *flags, "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, str(CHECK), *flags, "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert p.returncode in (0, 1), p.stderr[-3000:]
     return json.loads(p.stdout)
 
@@ -72,7 +74,7 @@ def _close(out, ref, dtype):
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_cuda_pack_unpack_exact(bits):
     n = K.pad_multiple(bits) * 17
-    codes = torch.randint(0, 2 ** bits, (63, 3, n), dtype=torch.uint8, device="cuda")
+    codes = torch.randint(0, 2**bits, (63, 3, n), dtype=torch.uint8, device="cuda")
     packed = K.pack_bits(codes, bits, backend="triton")
     assert torch.equal(packed, K.pack_bits_ref(codes, bits))
     assert torch.equal(K.unpack_bits(packed, bits, n, backend="triton"), codes)
@@ -93,19 +95,28 @@ def test_cuda_attention_ops(t, lq, dtype, d):
     kd, vd = k.to(dtype), v.to(dtype)
     _close(K.verify_attention(q, kd, vd, backend="triton"), K.verify_attention(q, kd, vd, backend="ref"), dtype)
     idx = torch.argsort(torch.rand(b, hkv, t, device=dev), -1)[..., : max(1, t // 4)].int()
-    _close(K.gathered_attention(q, kd, vd, idx, kt, vt, backend="triton"),
-           K.gathered_attention(q, kd, vd, idx, kt, vt, backend="ref"), dtype)
+    _close(
+        K.gathered_attention(q, kd, vd, idx, kt, vt, backend="triton"),
+        K.gathered_attention(q, kd, vd, idx, kt, vt, backend="ref"),
+        dtype,
+    )
     tq = K.kivi_split(t, 32)
     for bits, vbits in ((2, 2), (4, 4), (4, 2), (8, 8)):
         kp = K.kivi_quantize_keys(k[:, :, :tq], bits, 32)
         vp = K.kivi_quantize_values(v[:, :, :tq], vbits, 32)
         kw = dict(bits=bits, v_bits=vbits, k_group=32, v_group=32, k_tail=kt, v_tail=vt)
-        _close(K.kivi_decode_attention(q, *kp, *vp, backend="triton", **kw),
-               K.kivi_decode_attention(q, *kp, *vp, backend="ref", **kw), dtype)
+        _close(
+            K.kivi_decode_attention(q, *kp, *vp, backend="triton", **kw),
+            K.kivi_decode_attention(q, *kp, *vp, backend="ref", **kw),
+            dtype,
+        )
         tk, tv = K.turbo_quantize(k, bits, seed=1), K.turbo_quantize(v, vbits, seed=2)
         kw = dict(bits=bits, v_bits=vbits, seed=1, v_seed=2, k_tail=kt, v_tail=vt)
-        _close(K.turbo_decode_attention(q, *tk, *tv, backend="triton", **kw),
-               K.turbo_decode_attention(q, *tk, *tv, backend="ref", **kw), dtype)
+        _close(
+            K.turbo_decode_attention(q, *tk, *tv, backend="triton", **kw),
+            K.turbo_decode_attention(q, *tk, *tv, backend="ref", **kw),
+            dtype,
+        )
 
 
 @needs_cuda
@@ -113,5 +124,5 @@ def test_cuda_attention_ops(t, lq, dtype, d):
 def test_cuda_auto_dispatch_and_unbatched():
     q = torch.randn(9, 1, 64, device="cuda", dtype=torch.float16)
     k = torch.randn(3, 300, 64, device="cuda", dtype=torch.float16)
-    out = K.verify_attention(q, k, k)                    # auto -> Triton on CUDA
+    out = K.verify_attention(q, k, k)  # auto -> Triton on CUDA
     _close(out, K.verify_attention(q, k, k, backend="ref"), torch.float16)

@@ -1,4 +1,5 @@
 """TurboQuant-style codes: codebook, rotation, round trip and decode attention (CPU reference)."""
+
 import math
 
 import pytest
@@ -38,7 +39,7 @@ def test_codebook_known_values():
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_codebook_sorted_symmetric_optimal(bits):
     c = torch.tensor(lloyd_max_gaussian(bits), dtype=torch.float64)
-    assert c.numel() == 2 ** bits and (c.diff() > 0).all()
+    assert c.numel() == 2**bits and (c.diff() > 0).all()
     torch.testing.assert_close(c, -c.flip(0), atol=1e-9, rtol=0)
     if bits in MAX_MSE:
         assert _gauss_mse(c) == pytest.approx(MAX_MSE[bits], rel=2e-3)
@@ -61,9 +62,9 @@ def test_roundtrip_mse_matches_lloyd_max(bits):
     packed, norms = turbo_quantize(x, bits, seed=5)
     assert packed.shape == (4000, 128 * bits // 8) and norms.dtype == torch.float16 and norms.shape == (4000,)
     back = turbo_dequantize(packed, norms, bits, seed=5)
-    rel = ((back - x) ** 2).sum(-1) / (x ** 2).sum(-1)
+    rel = ((back - x) ** 2).sum(-1) / (x**2).sum(-1)
     assert rel.mean().item() == pytest.approx(MAX_MSE[bits], rel=0.1)
-    wrong = turbo_dequantize(packed, norms, bits, seed=6)         # the seed is part of the format
+    wrong = turbo_dequantize(packed, norms, bits, seed=6)  # the seed is part of the format
     assert ((wrong - x) ** 2).sum(-1).mean() > 1.5 * ((back - x) ** 2).sum(-1).mean()
 
 
@@ -94,7 +95,8 @@ def test_zero_vector_and_errors():
 def test_turbo_decode_attention(t, lq, lt, v_seed, monkeypatch):
     """v_seed: values coded with their own rotation (the compressor uses seed + 1 for values)."""
     import vericache_kernels.turboquant as turbo_mod
-    monkeypatch.setattr(turbo_mod, "block_tokens", lambda *a: 50)   # several blocks
+
+    monkeypatch.setattr(turbo_mod, "block_tokens", lambda *a: 50)  # several blocks
     g = torch.Generator().manual_seed(t)
     hq, hkv, d, bits = 6, 2, 64, 4
     vs = 9 if v_seed is None else v_seed

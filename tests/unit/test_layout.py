@@ -1,6 +1,7 @@
 """The package layout users and packagers rely on: the kernels install as `vericache_kernels` (next to
 Hugging Face's `kernels`, not over it), every package folder is packaged, the vLLM paths users wrote
 keep working, and only the entry points and the two re-exports sit at the top of vericache_connector."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,8 +22,11 @@ def test_only_entry_points_and_reexports_at_the_top():
 def test_every_package_folder_is_packaged():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(cfg["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("vericache_connector", "storage_backends")
-             for p in (ROOT / top).rglob("__init__.py")}
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("vericache_connector", "storage_backends")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     assert found | {"vericache_kernels"} == listed
     assert cfg["package-dir"] == {"vericache_kernels": "kernels"}
 
@@ -32,11 +36,19 @@ def test_our_kernels_import_by_their_name_beside_huggingface_kernels(tmp_path):
     hf = tmp_path / "site" / "kernels"
     hf.mkdir(parents=True)
     (hf / "__init__.py").write_text("HUB = True\n")
-    code = ("import kernels, vericache_kernels, vericache_connector.draft as d; "
-            "print(kernels.HUB, vericache_kernels.__file__, callable(vericache_kernels.paged_attention), "
-            "d.DraftConfig().layout)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site")},
-                         capture_output=True, text=True, timeout=300)
+    code = (
+        "import kernels, vericache_kernels, vericache_connector.draft as d; "
+        "print(kernels.HUB, vericache_kernels.__file__, callable(vericache_kernels.paged_attention), "
+        "d.DraftConfig().layout)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path / "site")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     hub, path, ok, layout = out.stdout.split()
     assert hub == "True" and path == str(ROOT / "kernels" / "__init__.py") and ok == "True" and layout == "auto"

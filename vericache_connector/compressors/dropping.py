@@ -4,6 +4,7 @@ Keys were rotated by RoPE at their true positions before they were cached, so th
 correct wherever they sit; tokens generated later get their own true positions (prompt length + i).
 A subclass only scores positions; the kept set per head is the top-`keep` of its score, in order.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,13 @@ class TokenDropCompressor(Compressor):
             else:
                 idx = self.scores(prefix, layer, keep).topk(keep, dim=-1).indices.sort(dim=-1).values
             gather = idx[..., None].expand(-1, -1, k.shape[-1])
-            layers.append({"k": k.gather(1, gather).contiguous(), "v": v.gather(1, gather).contiguous(),
-                           "idx": idx.to(torch.int32).contiguous()})
+            layers.append(
+                {
+                    "k": k.gather(1, gather).contiguous(),
+                    "v": v.gather(1, gather).contiguous(),
+                    "idx": idx.to(torch.int32).contiguous(),
+                }
+            )
         meta = {"compressor": self.name, "num_tokens": t, "keep": keep}
         return LayeredKV(self.spec, meta, layers)
 
@@ -62,8 +68,8 @@ def group_query_scores(obs: Tensor, keys: Tensor) -> Tensor:
     hk, t, _ = keys.shape
     g = hq // hk
     q = obs.float().reshape(hk, g * w, d)
-    logits = q @ keys.float().transpose(1, 2) / math.sqrt(d)              # [H_kv, g*W, T]
+    logits = q @ keys.float().transpose(1, 2) / math.sqrt(d)  # [H_kv, g*W, T]
     pos = torch.arange(t, device=keys.device)
-    qpos = (t - w + torch.arange(w, device=keys.device)).repeat(g)      # query w sits at T-W+w
+    qpos = (t - w + torch.arange(w, device=keys.device)).repeat(g)  # query w sits at T-W+w
     logits = logits.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
     return logits.softmax(-1).sum(1)

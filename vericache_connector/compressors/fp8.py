@@ -1,5 +1,6 @@
 """fp8 (e4m3): per-token scaled cast. scale = max|x| / 448 (the largest finite e4m3 value), stored as
 float16; x ~= fp8(x / scale) * scale. One byte per element plus 2 bytes per (head, token) vector."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

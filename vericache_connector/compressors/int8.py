@@ -3,6 +3,7 @@
 For each (head, token) vector x: scale = max|x| / 127, code = round(x / scale) in [-127, 127];
 stored as int8 codes plus one float16 scale per vector (D + 2 bytes per 2*D-byte fp16 vector).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

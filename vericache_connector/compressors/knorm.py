@@ -1,5 +1,6 @@
 """Key-norm (query-free; Devoto et al. 2024, kvpress KnormPress): keys with a LOW L2 norm draw more
 attention, so the positions with the smallest key norm per KV head are kept."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Shared part of per-token scaled quantizers (int8, fp8): every (head, token) vector x of K and V is
 stored as codes of x / scale plus one float16 scale, and restored as codes * scale."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,5 +35,4 @@ class ScaledCompressor(Compressor):
 
     @staticmethod
     def decode(meta, t, dtype):
-        return ((t["k"].float() * t["k_scale"].float()).to(dtype),
-                (t["v"].float() * t["v_scale"].float()).to(dtype))
+        return ((t["k"].float() * t["k_scale"].float()).to(dtype), (t["v"].float() * t["v_scale"].float()).to(dtype))

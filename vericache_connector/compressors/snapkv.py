@@ -1,6 +1,7 @@
 """SnapKV (Li et al. 2024): the last `window` prompt tokens "observe" the prefix; positions that get the
 most attention from them (summed over the window and the query heads of a KV group, then smoothed by
 a 1D max/avg pooling of width `kernel`) are kept, and the window itself is always kept."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ class SnapKVCompressor(TokenDropCompressor):
     def __post_init__(self):
         super().__post_init__()
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"snapkv: window must be >= 1 and kernel odd >= 1, got window={self.window}, "
-                             f"kernel={self.kernel}")
+            raise ValueError(
+                f"snapkv: window must be >= 1 and kernel odd >= 1, got window={self.window}, kernel={self.kernel}"
+            )
 
     @property
     def needs_queries(self) -> bool:
@@ -32,10 +34,11 @@ class SnapKVCompressor(TokenDropCompressor):
         keys = prefix.keys[layer]
         obs = prefix.obs_queries[layer]
         w = min(self.window, obs.shape[1], keys.shape[1])
-        score = group_query_scores(obs[:, -w:], keys)                          # [H_kv, T]
-        score = F.avg_pool1d(score[:, None], self.kernel, stride=1, padding=self.kernel // 2,
-                             count_include_pad=False)[:, 0]
-        score[:, -w:] = float("inf")                                          # the window is always kept
+        score = group_query_scores(obs[:, -w:], keys)  # [H_kv, T]
+        score = F.avg_pool1d(score[:, None], self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False)[
+            :, 0
+        ]
+        score[:, -w:] = float("inf")  # the window is always kept
         return score
 
 

@@ -1,5 +1,6 @@
 """StreamingLLM (Xiao et al. 2023): keep the first `sinks` tokens (attention sinks) and the most recent
 window; the window is whatever budget the ratio leaves after the sinks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ class StreamingLLMCompressor(TokenDropCompressor):
     def scores(self, prefix, layer, keep):
         hk, t = prefix.keys[layer].shape[:2]
         pos = torch.arange(t, dtype=torch.float32, device=prefix.keys[layer].device)
-        score = pos.clone()                       # recent tokens score highest ...
+        score = pos.clone()  # recent tokens score highest ...
         score[: min(self.sinks, keep)] = float(t)  # ... and the sinks above all of them
         return score.expand(hk, t)
 

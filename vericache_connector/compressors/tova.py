@@ -1,5 +1,6 @@
 """TOVA (Oren et al. 2024): keep the positions the last prompt token attends to most (its attention
 averaged over the query heads of each KV group); the last token itself is always kept."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

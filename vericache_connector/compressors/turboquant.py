@@ -5,6 +5,7 @@ random orthogonal matrix: after the rotation every coordinate is ~N(0, 1/D), so 
 codebook for that Gaussian serves all rows and channels (no per-group scales). Keys and values get
 their own bit widths ("k4v3" = 4-bit keys, 3-bit values); codes are bit-packed (kernels.turboquant).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,14 +33,21 @@ class TurboQuantCompressor(Compressor):
             kp, kn = turbo_quantize(k, self.key_bits, self.seed)
             vp, vn = turbo_quantize(v, self.value_bits, self.seed + 1)
             layers.append({"k": kp, "k_norm": kn, "v": vp, "v_norm": vn})
-        meta = {"compressor": self.name, "num_tokens": prefix.num_tokens, "key_bits": self.key_bits,
-                "value_bits": self.value_bits, "seed": self.seed}
+        meta = {
+            "compressor": self.name,
+            "num_tokens": prefix.num_tokens,
+            "key_bits": self.key_bits,
+            "value_bits": self.value_bits,
+            "seed": self.seed,
+        }
         return LayeredKV(self.spec, meta, layers)
 
     @staticmethod
     def decode(meta, t, dtype):
-        return (turbo_dequantize(t["k"], t["k_norm"], meta["key_bits"], meta["seed"], dtype),
-                turbo_dequantize(t["v"], t["v_norm"], meta["value_bits"], meta["seed"] + 1, dtype))
+        return (
+            turbo_dequantize(t["k"], t["k_norm"], meta["key_bits"], meta["seed"], dtype),
+            turbo_dequantize(t["v"], t["v_norm"], meta["value_bits"], meta["seed"] + 1, dtype),
+        )
 
 
 COMPRESSOR = TurboQuantCompressor

@@ -1,4 +1,5 @@
 """The bundled real prompts (long texts from the CPython standard library, see prompts/SOURCES.md)."""
+
 from __future__ import annotations
 
 from importlib import resources

@@ -17,6 +17,7 @@ Drafts on a compact layout differ from materialized ones only by rounding (stora
 order); VeriCache's output never depends on them, since the verify pass runs on the full KV.
 DraftConfig.weights picks the weights the draft forward runs (weights.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,5 +48,17 @@ def make_draft_cache(model, compressed: list[CompressedKV], extra: int, cfg: Dra
     return PackedDraftCache(model, compressed, extra, cfg)
 
 
-__all__ = ["DTYPES", "LAYOUTS", "PAGED_DTYPES", "WEIGHTS", "DenseDraftCache", "DraftConfig", "Int8Linear",
-           "PackedDraftCache", "PagedDraftCache", "make_draft_cache", "make_draft_model", "materialize"]
+__all__ = [
+    "DTYPES",
+    "LAYOUTS",
+    "PAGED_DTYPES",
+    "WEIGHTS",
+    "DenseDraftCache",
+    "DraftConfig",
+    "Int8Linear",
+    "PackedDraftCache",
+    "PagedDraftCache",
+    "make_draft_cache",
+    "make_draft_model",
+    "materialize",
+]

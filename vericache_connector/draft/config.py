@@ -4,6 +4,7 @@ Layouts (see the package docstring): auto | packed | paged | dense | materialize
 changes how fast drafts come and, by rounding, how many are accepted; VeriCache's output never depends
 on it, since the verify pass runs the model's own weights on the full KV.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,19 +23,21 @@ PAGED_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"
 
 @dataclass
 class DraftConfig:
-    layout: str = "auto"     # auto | packed | paged | dense | materialized (see the module docstring)
-    dtype: str = "auto"      # dense storage; auto: float16 on the CPU (bfloat16 when a prefix value
-                             # exceeds the float16 range), the model's dtype elsewhere.
-                             # paged storage: auto (as dense) | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16 | float32
-    backend: str = "auto"    # kernels backend: auto | ref | triton
-    weights: str = "model"   # the draft forward's weights: model | bfloat16 | int8 (weights.py)
+    layout: str = "auto"  # auto | packed | paged | dense | materialized (see the module docstring)
+    dtype: str = "auto"  # dense storage; auto: float16 on the CPU (bfloat16 when a prefix value
+    # exceeds the float16 range), the model's dtype elsewhere.
+    # paged storage: auto (as dense) | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16 | float32
+    backend: str = "auto"  # kernels backend: auto | ref | triton
+    weights: str = "model"  # the draft forward's weights: model | bfloat16 | int8 (weights.py)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"draft layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.dtype not in (PAGED_DTYPES if self.layout == "paged" else DTYPES):
-            raise ValueError(f"draft dtype for layout {self.layout!r} must be one of "
-                             f"{PAGED_DTYPES if self.layout == 'paged' else tuple(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"draft dtype for layout {self.layout!r} must be one of "
+                f"{PAGED_DTYPES if self.layout == 'paged' else tuple(DTYPES)}, got {self.dtype!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"draft backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.weights not in WEIGHTS:

@@ -7,6 +7,7 @@ positions) into a plain KV cache.
                 vericache_kernels.cache_attention (the fused CPU flash kernel with the GQA rows stacked,
                 so each KV head is read once).
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,8 +64,15 @@ class DenseDraftCache(KVCache):
         if dtype is None and model.device.type == "cpu":
             dtype = compact_dtype(rows)
         c = model.cfg
-        super().__init__(c.num_layers, len(rows), c.num_kv_heads, c.head_dim,
-                         max(r[0][0].shape[1] for r in rows) + extra, dtype or model.dtype, model.device)
+        super().__init__(
+            c.num_layers,
+            len(rows),
+            c.num_kv_heads,
+            c.head_dim,
+            max(r[0][0].shape[1] for r in rows) + extra,
+            dtype or model.dtype,
+            model.device,
+        )
         load_rows(self, rows)
         self.backend = cfg.backend
 

@@ -6,6 +6,7 @@ vericache_kernels.prefix_attention. A separate exact tail [B, H_kv, capacity, D]
 emitted tokens (KIVI's full-precision residual window opens it). Triton on CUDA; on the CPU the torch
 references, exact but slower than the dense layouts (bit unpacking in torch).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ Tensor = torch.Tensor
 @dataclass
 class _Prefix:
     """One layer of one compressed prefix in the form its op reads ([1, H_kv, n, ...] tensors)."""
-    kind: str                # dense | kivi | turbo
-    n: int                   # prefix tokens (the tail holds the rest)
+
+    kind: str  # dense | kivi | turbo
+    n: int  # prefix tokens (the tail holds the rest)
     t: dict
     meta: dict
 
@@ -36,13 +38,36 @@ class _Prefix:
         if self.n == 0:
             return K.verify_attention(q, kt, vt, backend=backend)
         if self.kind == "kivi":
-            return K.kivi_decode_attention(q, t["k"], t["k_scale"], t["k_mn"], t["v"], t["v_scale"], t["v_mn"],
-                                           bits=m["bits"], k_group=m["group"], v_group=m["value_group"],
-                                           k_tail=kt, v_tail=vt, backend=backend)
-        if self.kind == "turbo":   # values were coded with seed + 1 (compressors/turboquant.py)
-            return K.turbo_decode_attention(q, t["k"], t["k_norm"], t["v"], t["v_norm"], bits=m["key_bits"],
-                                            v_bits=m["value_bits"], seed=m["seed"], v_seed=m["seed"] + 1,
-                                            k_tail=kt, v_tail=vt, backend=backend)
+            return K.kivi_decode_attention(
+                q,
+                t["k"],
+                t["k_scale"],
+                t["k_mn"],
+                t["v"],
+                t["v_scale"],
+                t["v_mn"],
+                bits=m["bits"],
+                k_group=m["group"],
+                v_group=m["value_group"],
+                k_tail=kt,
+                v_tail=vt,
+                backend=backend,
+            )
+        if self.kind == "turbo":  # values were coded with seed + 1 (compressors/turboquant.py)
+            return K.turbo_decode_attention(
+                q,
+                t["k"],
+                t["k_norm"],
+                t["v"],
+                t["v_norm"],
+                bits=m["key_bits"],
+                v_bits=m["value_bits"],
+                seed=m["seed"],
+                v_seed=m["seed"] + 1,
+                k_tail=kt,
+                v_tail=vt,
+                backend=backend,
+            )
         return K.prefix_attention(q, t["k"], t["v"], kt, vt, backend=backend)
 
 
@@ -87,7 +112,7 @@ class PackedDraftCache(RowCache):
             check_layers(model, c, row)
             if id(c) not in built:
                 built[id(c)] = _packed_layers(c, cfg, model)
-        self.rows = [built[id(c)] for c in compressed]     # rows[b][layer] = (_Prefix, res_k, res_v)
+        self.rows = [built[id(c)] for c in compressed]  # rows[b][layer] = (_Prefix, res_k, res_v)
         self.backend, mc, dev = cfg.backend, model.cfg, model.device
         res = [0 if layers[0][1] is None else layers[0][1].shape[1] for layers in self.rows]
         self.capacity = max(res) + extra
@@ -112,10 +137,12 @@ class PackedDraftCache(RowCache):
         """start counts prefix + tail entries (as lengths); only tail entries can be written."""
         d, n = start - int(self.prefix_lengths[row]), k.shape[1]
         if d < 0 or d + n > self.capacity:
-            raise ValueError(f"draft cache overflow: row {row} entries {start}..+{n} are outside the tail "
-                             f"(prefix {int(self.prefix_lengths[row])}, tail capacity {self.capacity})")
-        self.keys[layer][row, :, d:d + n] = k
-        self.values[layer][row, :, d:d + n] = v
+            raise ValueError(
+                f"draft cache overflow: row {row} entries {start}..+{n} are outside the tail "
+                f"(prefix {int(self.prefix_lengths[row])}, tail capacity {self.capacity})"
+            )
+        self.keys[layer][row, :, d : d + n] = k
+        self.values[layer][row, :, d : d + n] = v
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Write k/v, then attend q [B, Hq, Lq, D] over each row's prefix and tail (the Lq new entries
@@ -123,6 +150,11 @@ class PackedDraftCache(RowCache):
         for b, start in enumerate(self.lengths.tolist()):
             self.store_entries(layer, b, start, k[b], v[b])
         tail = (self.lengths - self.prefix_lengths + q.shape[2]).tolist()
-        return torch.cat([self.rows[b][layer][0].attend(q[b:b + 1], self.keys[layer][b:b + 1, :, :n],
-                                                        self.values[layer][b:b + 1, :, :n], self.backend)
-                          for b, n in enumerate(tail)])
+        return torch.cat(
+            [
+                self.rows[b][layer][0].attend(
+                    q[b : b + 1], self.keys[layer][b : b + 1, :, :n], self.values[layer][b : b + 1, :, :n], self.backend
+                )
+                for b, n in enumerate(tail)
+            ]
+        )

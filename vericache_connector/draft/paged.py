@@ -8,6 +8,7 @@ stored the same way. float8 scales are per layer, one for keys and one for value
 the prefix's largest |value| maps to the format's largest finite value; later entries beyond it clamp.
 Only the drafts see this rounding: VeriCache's output comes from the verify pass on the full KV.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,9 @@ SCALE_HEADROOM = 2.0
 class PagedDraftCache(RowCache):
     """Rows own consecutive blocks (row b: blocks [b * nb, (b + 1) * nb)); lengths[b] entries valid."""
 
-    def __init__(self, model, rows: list[list[tuple[Tensor, Tensor]]], extra: int, kv_dtype: str,
-                 backend: str = "auto"):
+    def __init__(
+        self, model, rows: list[list[tuple[Tensor, Tensor]]], extra: int, kv_dtype: str, backend: str = "auto"
+    ):
         """rows[b][layer] = (keys, values) [H_kv, n_b, D] float32, the decoded prefix of row b."""
         PA.check_kv_dtype(kv_dtype)
         if extra < 1:
@@ -39,8 +41,10 @@ class PagedDraftCache(RowCache):
         self.blocks_per_row = math.ceil(self.capacity / BLOCK_SIZE)
         b = len(rows)
         self.block_table = torch.arange(b * self.blocks_per_row, dtype=torch.int32, device=dev).view(b, -1)
-        self.caches = [PA.new_paged_cache(b * self.blocks_per_row, mc.num_kv_heads, mc.head_dim, BLOCK_SIZE,
-                                          kv_dtype, dev) for _ in range(mc.num_layers)]
+        self.caches = [
+            PA.new_paged_cache(b * self.blocks_per_row, mc.num_kv_heads, mc.head_dim, BLOCK_SIZE, kv_dtype, dev)
+            for _ in range(mc.num_layers)
+        ]
         self.scales = [self._scales([layers[layer] for layers in rows]) for layer in range(mc.num_layers)]
         for row, layers in enumerate(rows):
             for layer, (k, v) in enumerate(layers):
@@ -75,8 +79,9 @@ class PagedDraftCache(RowCache):
         if start + n > self.capacity:
             raise ValueError(f"draft cache overflow: {start} + {n} > capacity {self.capacity}")
         kc, vc = self.caches[layer]
-        PA.paged_write(kc, vc, k.transpose(0, 1), v.transpose(0, 1), self._slots(row, start, n), self.kv_dtype,
-                       *self.scales[layer])
+        PA.paged_write(
+            kc, vc, k.transpose(0, 1), v.transpose(0, 1), self._slots(row, start, n), self.kv_dtype, *self.scales[layer]
+        )
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Write new k/v [B, H_kv, q, D] at each row's end (lengths advance in `advance`)."""
@@ -90,14 +95,27 @@ class PagedDraftCache(RowCache):
         self.write(layer, k, v)
         kc, vc = self.caches[layer]
         key = (lq, tuple(self.lengths.tolist()))
-        if key != self._plan_key:       # lengths change once per step: one plan for all layers
+        if key != self._plan_key:  # lengths change once per step: one plan for all layers
             self._seq_lens = (self.lengths + lq).to(torch.int32)
             self._starts = torch.arange(0, (b + 1) * lq, lq, dtype=torch.int32, device=q.device)
-            self._plan = (PA.paged_attention_plan(q.new_empty(0, hq, d, dtype=self.q_dtype), k.shape[1],
-                                                  self._starts, self._seq_lens, self.kv_dtype)
-                          if PA.uses_vllm_kernel(self.backend, self.kv_dtype, q, kc) else None)
+            self._plan = (
+                PA.paged_attention_plan(
+                    q.new_empty(0, hq, d, dtype=self.q_dtype), k.shape[1], self._starts, self._seq_lens, self.kv_dtype
+                )
+                if PA.uses_vllm_kernel(self.backend, self.kv_dtype, q, kc)
+                else None
+            )
             self._plan_key = key
-        out = PA.paged_attention(q.transpose(1, 2).reshape(b * lq, hq, d).to(self.q_dtype), kc, vc, self._starts,
-                                 self._seq_lens, self.block_table, self.kv_dtype, *self.scales[layer],
-                                 plan=self._plan, backend=self.backend)
+        out = PA.paged_attention(
+            q.transpose(1, 2).reshape(b * lq, hq, d).to(self.q_dtype),
+            kc,
+            vc,
+            self._starts,
+            self._seq_lens,
+            self.block_table,
+            self.kv_dtype,
+            *self.scales[layer],
+            plan=self._plan,
+            backend=self.backend,
+        )
         return out.view(b, lq, hq, d).transpose(1, 2).to(q.dtype)

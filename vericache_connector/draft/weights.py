@@ -16,6 +16,7 @@ Both copies use bfloat16 activations; the draft cache then holds bfloat16 entrie
 model's dtype. VeriCache's output is unchanged (verify on the full model + full KV); only the number
 of drafts accepted per verification can move.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,9 +42,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.scale.dtype)
-        if x2.device.type == "cpu" and shape[-1] % 32 == 0:     # the CPU op needs in_features % 32 == 0
+        if x2.device.type == "cpu" and shape[-1] % 32 == 0:  # the CPU op needs in_features % 32 == 0
             y = torch._weight_int8pack_mm(x2.contiguous(), self.code, self.scale)
-        else:   # reference: the same math in float
+        else:  # reference: the same math in float
             y = (x2.float() @ self.code.float().t() * self.scale.float()).to(self.scale.dtype)
         y = y.view(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
@@ -66,7 +67,7 @@ def make_draft_model(model, weights: str = "model"):
     dtype = torch.bfloat16
     draft = copy.deepcopy(model)
     if weights == "int8":
-        _swap_linears(draft, dtype)               # quantize from the float32 originals, then convert the rest
+        _swap_linears(draft, dtype)  # quantize from the float32 originals, then convert the rest
     draft.to(dtype)
-    draft.inv_freq = model.inv_freq               # rotary frequencies stay float32 (positions up to 8k)
+    draft.inv_freq = model.inv_freq  # rotary frequencies stay float32 (positions up to 8k)
     return draft.eval()

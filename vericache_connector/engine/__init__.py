@@ -7,16 +7,23 @@ bundled model), kv_cache.py (RowCache, KVCache), sampling.py (acceptance rules),
 loop, DecodeConfig), llm_engine.py (VeriCacheEngine: prefill, the three decoders).
 Names are resolved on first use, so importing a submodule never pulls in the whole engine.
 """
+
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "VeriCacheEngine": "llm_engine", "Prefill": "llm_engine",
-    "DecodeConfig": "speculative", "SpecStats": "speculative", "speculative_decode": "speculative",
+    "VeriCacheEngine": "llm_engine",
+    "Prefill": "llm_engine",
+    "DecodeConfig": "speculative",
+    "SpecStats": "speculative",
+    "speculative_decode": "speculative",
     "autoregressive_decode": "speculative",
-    "KVCache": "kv_cache", "RowCache": "kv_cache",
-    "CausalLM": "model", "ModelConfig": "model", "load_model": "model",
+    "KVCache": "kv_cache",
+    "RowCache": "kv_cache",
+    "CausalLM": "model",
+    "ModelConfig": "model",
+    "load_model": "model",
     "resolve_model_dir": "model_loader",
 }
 

@@ -9,6 +9,7 @@ KVCache layout per layer: keys/values [B, H_kv, capacity, D]. Row b holds `lengt
 forward writes its q new entries at [lengths[b], lengths[b] + q) and attention masks everything past
 them. Rolling back after a rejected draft is only setting `lengths` (the stale entries get overwritten).
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,12 +50,22 @@ class RowCache:
                 continue
             s, d = int(src_start[b]), int(dst_start[b])
             for layer in range(len(other.keys)):
-                self.store_entries(layer, b, d, other.keys[layer][b, :, s:s + n], other.values[layer][b, :, s:s + n])
+                self.store_entries(
+                    layer, b, d, other.keys[layer][b, :, s : s + n], other.values[layer][b, :, s : s + n]
+                )
 
 
 class KVCache(RowCache):
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (batch, num_kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -80,8 +91,8 @@ class KVCache(RowCache):
         n = k.shape[1]
         if start + n > self.capacity:
             raise ValueError(f"KV cache overflow: {start} + {n} > capacity {self.capacity}")
-        self.keys[layer][row, :, start:start + n] = k
-        self.values[layer][row, :, start:start + n] = v
+        self.keys[layer][row, :, start : start + n] = k
+        self.values[layer][row, :, start : start + n] = v
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Write new k/v [B, H_kv, q, D] at each row's current end (lengths are advanced by `advance`)."""
@@ -90,12 +101,12 @@ class KVCache(RowCache):
             raise ValueError(f"KV cache overflow: {int(self.lengths.max())} + {q} > capacity {self.capacity}")
         if q > 1 and self.batch == 1:
             start = int(self.lengths[0])
-            self.keys[layer][0, :, start:start + q] = k[0]
-            self.values[layer][0, :, start:start + q] = v[0]
+            self.keys[layer][0, :, start : start + q] = k[0]
+            self.values[layer][0, :, start : start + q] = v[0]
             return
-        rows = torch.arange(self.batch, device=k.device)[:, None]                  # [B, 1]
-        cols = self.lengths[:, None] + torch.arange(q, device=k.device)[None]      # [B, q]
-        self.keys[layer][rows, :, cols] = k.transpose(1, 2)                        # [B, q, H, D]
+        rows = torch.arange(self.batch, device=k.device)[:, None]  # [B, 1]
+        cols = self.lengths[:, None] + torch.arange(q, device=k.device)[None]  # [B, q]
+        self.keys[layer][rows, :, cols] = k.transpose(1, 2)  # [B, q, H, D]
         self.values[layer][rows, :, cols] = v.transpose(1, 2)
 
     def view(self, layer: int, q: int) -> tuple[Tensor, Tensor]:
@@ -119,5 +130,6 @@ class KVCache(RowCache):
         mask = None if prefill else self.mask(lq)
         self.write(layer, k, v)
         k_all, v_all = self.view(layer, lq)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=prefill,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, is_causal=prefill, enable_gqa=q.shape[1] != k.shape[1]
+        )

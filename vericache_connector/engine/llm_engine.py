@@ -8,6 +8,7 @@
 How drafts are held and computed (DraftConfig) is an argument of each call; the engine's own `draft`
 is only the default, fixed at construction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class Prefill:
 
     prompt_ids: list[int]
     prefix: PrefixKV
-    logits: Tensor          # [V] float32, predicts the first generated token
+    logits: Tensor  # [V] float32, predicts the first generated token
 
     @property
     def num_tokens(self) -> int:
@@ -40,21 +41,36 @@ class Prefill:
 
 
 class VeriCacheEngine:
-    def __init__(self, model: CausalLM, tokenizer=None, obs_window: int = 32, model_name: str = "model",
-                 draft: DraftConfig | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer=None,
+        obs_window: int = 32,
+        model_name: str = "model",
+        draft: DraftConfig | None = None,
+    ):
         self.model, self.tokenizer, self.obs_window = model, tokenizer, obs_window
-        self.model_name = model_name   # names the model in store keys
-        self.draft = draft or DraftConfig()   # how draft caches hold and attend the compressed prefix
+        self.model_name = model_name  # names the model in store keys
+        self.draft = draft or DraftConfig()  # how draft caches hold and attend the compressed prefix
         self._draft_models: dict[str, CausalLM] = {}
 
     @classmethod
-    def from_pretrained(cls, model: str | Path | None = None, dtype: torch.dtype | None = None,
-                        device: str | None = None, draft: DraftConfig | None = None) -> "VeriCacheEngine":
+    def from_pretrained(
+        cls,
+        model: str | Path | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | None = None,
+        draft: DraftConfig | None = None,
+    ) -> "VeriCacheEngine":
         from transformers import AutoTokenizer
 
         path = resolve_model_dir(model)
-        return cls(load_model(path, dtype=dtype, device=device), AutoTokenizer.from_pretrained(path),
-                   model_name=path.name, draft=draft)
+        return cls(
+            load_model(path, dtype=dtype, device=device),
+            AutoTokenizer.from_pretrained(path),
+            model_name=path.name,
+            draft=draft,
+        )
 
     @property
     def max_context(self) -> int:
@@ -69,8 +85,10 @@ class VeriCacheEngine:
         if num_prompt == 0:
             raise ValueError("prompt is empty (0 tokens)")
         if num_prompt + max_new > self.max_context:
-            raise ValueError(f"prompt of {num_prompt} tokens + {max_new} new tokens exceeds the model's "
-                             f"context of {self.max_context} tokens")
+            raise ValueError(
+                f"prompt of {num_prompt} tokens + {max_new} new tokens exceeds the model's "
+                f"context of {self.max_context} tokens"
+            )
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> Prefill:
@@ -79,10 +97,12 @@ class VeriCacheEngine:
         t = len(prompt_ids)
         cache = self.model.new_cache(1, t)
         ids = torch.tensor([prompt_ids], device=self.model.device)
-        logits, obs = self.model(ids, torch.arange(t, device=ids.device)[None], cache,
-                                 obs_window=min(self.obs_window, t), last_only=True)
-        prefix = PrefixKV(keys=[k[0] for k in cache.keys], values=[v[0] for v in cache.values],
-                          obs_queries=[o[0] for o in obs])
+        logits, obs = self.model(
+            ids, torch.arange(t, device=ids.device)[None], cache, obs_window=min(self.obs_window, t), last_only=True
+        )
+        prefix = PrefixKV(
+            keys=[k[0] for k in cache.keys], values=[v[0] for v in cache.values], obs_queries=[o[0] for o in obs]
+        )
         return Prefill(list(prompt_ids), prefix, logits[0, -1])
 
     # ---- caches -------------------------------------------------------------------------------
@@ -99,8 +119,7 @@ class VeriCacheEngine:
             self._draft_models[weights] = make_draft_model(self.model, weights)
         return self._draft_models[weights]
 
-    def draft_cache(self, compressed: list[CompressedKV], extra: int,
-                    config: DraftConfig | None = None) -> RowCache:
+    def draft_cache(self, compressed: list[CompressedKV], extra: int, config: DraftConfig | None = None) -> RowCache:
         """The cache drafts attend over, one compressed prefix per row, room for `extra` new entries.
         config (default self.draft) picks the layout: the compressed prefix kept compact (packed codes
         for the Triton kernels on CUDA, float16 through the fused CPU kernel on the CPU) or
@@ -117,20 +136,32 @@ class VeriCacheEngine:
         for p in prefills:
             self.check_length(p.num_tokens, cfg.max_new_tokens)
         cache = self.full_cache(prefills, cfg.max_new_tokens + 1)
-        return autoregressive_decode(self.model, cache, self.first_tokens(prefills, cfg),
-                                     cache.lengths.clone(), cfg, on_tokens)
+        return autoregressive_decode(
+            self.model, cache, self.first_tokens(prefills, cfg), cache.lengths.clone(), cfg, on_tokens
+        )
 
-    def generate_lossy(self, prefills: list[Prefill], compressed: list[CompressedKV], cfg: DecodeConfig,
-                       on_tokens=None, draft: DraftConfig | None = None) -> list[list[int]]:
+    def generate_lossy(
+        self,
+        prefills: list[Prefill],
+        compressed: list[CompressedKV],
+        cfg: DecodeConfig,
+        on_tokens=None,
+        draft: DraftConfig | None = None,
+    ) -> list[list[int]]:
         """What plain KV compression gives: decoding on the compressed KV only (drifts from full KV).
         draft: how the compressed cache is held (its weights are not used: this decodes with the model)."""
         cache = make_draft_cache(self.model, compressed, cfg.max_new_tokens + 1, draft or self.draft)
         positions = torch.tensor([p.num_tokens for p in prefills], device=self.model.device)
-        return autoregressive_decode(self.model, cache, self.first_tokens(prefills, cfg), positions, cfg,
-                                     on_tokens)
+        return autoregressive_decode(self.model, cache, self.first_tokens(prefills, cfg), positions, cfg, on_tokens)
 
-    def generate(self, prefills: list[Prefill], compressed: list[CompressedKV], cfg: DecodeConfig,
-                 on_tokens=None, draft: DraftConfig | None = None) -> tuple[list[list[int]], SpecStats]:
+    def generate(
+        self,
+        prefills: list[Prefill],
+        compressed: list[CompressedKV],
+        cfg: DecodeConfig,
+        on_tokens=None,
+        draft: DraftConfig | None = None,
+    ) -> tuple[list[list[int]], SpecStats]:
         """VeriCache: draft on `compressed`, verify on the full KV; output = full-KV output.
         draft: how drafts are held and computed (default: the engine's DraftConfig)."""
         if len(prefills) != len(compressed):
@@ -141,5 +172,12 @@ class VeriCacheEngine:
         extra = cfg.cache_headroom
         full = self.full_cache(prefills, extra)
         cache = self.draft_cache(compressed, extra, draft)
-        return speculative_decode(self.model, full, cache, self.first_tokens(prefills, cfg), cfg, on_tokens,
-                                  draft_model=self.draft_model(draft))
+        return speculative_decode(
+            self.model,
+            full,
+            cache,
+            self.first_tokens(prefills, cfg),
+            cfg,
+            on_tokens,
+            draft_model=self.draft_model(draft),
+        )

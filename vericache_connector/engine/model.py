@@ -5,6 +5,7 @@ needs control the Hugging Face cache classes do not give: one forward that write
 offset per row, RoPE at true positions while attending over a token-dropped cache, and the last queries
 of the prefill (SnapKV/TOVA score the prefix with them).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,17 +50,22 @@ class ModelConfig:
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         mtype = cfg["model_type"]
         return cls(
-            model_type=mtype, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            model_type=mtype,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
             num_heads=cfg["num_attention_heads"],
             num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
             rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
             max_position=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", mtype == "qwen2"),
-            qk_norm=mtype == "qwen3", eos_token_ids=eos,
+            qk_norm=mtype == "qwen3",
+            eos_token_ids=eos,
         )
 
 
@@ -113,8 +119,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: RowCache, layer: int,
-                obs: list | None, obs_window: int) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: RowCache, layer: int, obs: list | None, obs_window: int
+    ) -> Tensor:
         b, q, _ = x.shape
         qs = self.q_proj(x).view(b, q, self.h, self.d).transpose(1, 2)
         ks = self.k_proj(x).view(b, q, self.hk, self.d).transpose(1, 2)
@@ -124,7 +131,7 @@ class Attention(nn.Module):
         qs, ks = apply_rope(qs, cos, sin), apply_rope(ks, cos, sin)
         if obs is not None:
             obs.append(qs[:, :, -obs_window:].detach().clone())
-        out = cache.attend(layer, qs, ks, vs)      # KVCache: SDPA; draft caches: the kernels' ops
+        out = cache.attend(layer, qs, ks, vs)  # KVCache: SDPA; draft caches: the kernels' ops
         return self.o_proj(out.transpose(1, 2).reshape(b, q, self.h * self.d))
 
 
@@ -174,13 +181,14 @@ class CausalLM(nn.Module):
         return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, cache: RowCache,
-                obs_window: int = 0, last_only: bool = False) -> tuple[Tensor, list[Tensor] | None]:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, cache: RowCache, obs_window: int = 0, last_only: bool = False
+    ) -> tuple[Tensor, list[Tensor] | None]:
         """input_ids/positions [B, q]; writes KV, advances cache.lengths by q.
         Returns logits [B, q, V] (float32; only the last position if last_only) and, when obs_window>0,
         the last obs_window post-RoPE queries of every layer ([B, H, W, D] each)."""
-        freqs = positions[..., None].float() * self.inv_freq                   # [B, q, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                        # [B, 1, q, D]
+        freqs = positions[..., None].float() * self.inv_freq  # [B, q, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, q, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         obs = [] if obs_window > 0 else None
         x = self.embed_tokens(input_ids)

@@ -6,6 +6,7 @@ once to a safetensors + tokenizer directory, cached under ``$VERICACHE_CACHE_DIR
 ``~/.cache/vericache``), so every later load is a plain Hugging Face directory load.
 Any local Hugging Face Llama / Qwen2 / Qwen3 checkpoint directory is accepted as is.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -8,6 +8,7 @@ accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection 
 norm(max(p_i - q_i, 0)); if all k are accepted, sample a bonus from p_{k+1}. Every emitted token is then
 distributed exactly as under p (the full-KV model), whatever q is.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,25 +22,24 @@ def probs(logits: Tensor, temperature: float) -> Tensor:
 
 def accept_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
     """draft [B, k], target_logits [B, k+1, V] -> (n accepted [B], bonus token [B])."""
-    target = target_logits.argmax(-1)                                     # [B, k+1]
+    target = target_logits.argmax(-1)  # [B, k+1]
     match = (draft == target[:, :-1]).long()
-    n = match.cumprod(-1).sum(-1)                                         # leading matches
+    n = match.cumprod(-1).sum(-1)  # leading matches
     bonus = target.gather(1, n[:, None])[:, 0]
     return n, bonus
 
 
-def accept_sampling(draft: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None
-                    ) -> tuple[Tensor, Tensor]:
+def accept_sampling(draft: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """draft [B, k], q [B, k, V] draft probs, p [B, k+1, V] target probs -> (n [B], bonus [B])."""
     b, k = draft.shape
-    p_d = p[:, :k].gather(-1, draft[..., None])[..., 0]                   # p_i(d_i)
-    q_d = q.gather(-1, draft[..., None])[..., 0]                          # q_i(d_i)
+    p_d = p[:, :k].gather(-1, draft[..., None])[..., 0]  # p_i(d_i)
+    q_d = q.gather(-1, draft[..., None])[..., 0]  # q_i(d_i)
     u = torch.rand(b, k, generator=generator, device=draft.device)
-    accepted = (u * q_d < p_d).long()                                     # u < p/q without dividing by 0
+    accepted = (u * q_d < p_d).long()  # u < p/q without dividing by 0
     n = accepted.cumprod(-1).sum(-1)
     rows = torch.arange(b, device=draft.device)
-    p_n = p[rows, n]                                                      # [B, V]
-    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n]          # q_{k+1} := 0 -> residual = p
+    p_n = p[rows, n]  # [B, V]
+    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n]  # q_{k+1} := 0 -> residual = p
     residual = (p_n - q_n).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_n)  # p == q: any sample of p

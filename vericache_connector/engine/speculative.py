@@ -5,6 +5,7 @@ cache yet; the full cache holds the prompt plus every emitted token but `pending
 also the true position of `pending`); the draft cache holds the compressed prompt plus the same
 emitted tokens, with their EXACT (full-KV) keys and values.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,11 +23,11 @@ Tensor = torch.Tensor
 @dataclass
 class DecodeConfig:
     max_new_tokens: int = 64
-    draft_k: int = 8             # draft horizon (the start value when adaptive)
-    adaptive: bool = False       # grow k on full acceptance, shrink it on early rejection
+    draft_k: int = 8  # draft horizon (the start value when adaptive)
+    adaptive: bool = False  # grow k on full acceptance, shrink it on early rejection
     k_min: int = 2
     k_max: int = 32
-    temperature: float = 0.0     # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy
     seed: int | None = None
     stop_at_eos: bool = True
 
@@ -34,8 +35,10 @@ class DecodeConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.k_min <= self.draft_k <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= draft_k <= k_max, got k_min={self.k_min}, "
-                             f"draft_k={self.draft_k}, k_max={self.k_max}")
+            raise ValueError(
+                f"need 1 <= k_min <= draft_k <= k_max, got k_min={self.k_min}, "
+                f"draft_k={self.draft_k}, k_max={self.k_max}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -52,7 +55,7 @@ class DecodeConfig:
 @dataclass
 class SpecStats:
     accepted: list[list[int]] = field(default_factory=list)  # per row: drafts accepted per verification
-    draft_lengths: list[int] = field(default_factory=list)   # k used in each round
+    draft_lengths: list[int] = field(default_factory=list)  # k used in each round
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -71,9 +74,16 @@ def _emit(out: list[int], new: list[int], cfg: DecodeConfig, eos: tuple[int, ...
 
 
 @torch.inference_mode()
-def speculative_decode(model: CausalLM, full: KVCache, draft: RowCache, first: Tensor, cfg: DecodeConfig,
-                       on_tokens=None, arrival=None, draft_model: CausalLM | None = None
-                       ) -> tuple[list[list[int]], SpecStats]:
+def speculative_decode(
+    model: CausalLM,
+    full: KVCache,
+    draft: RowCache,
+    first: Tensor,
+    cfg: DecodeConfig,
+    on_tokens=None,
+    arrival=None,
+    draft_model: CausalLM | None = None,
+) -> tuple[list[list[int]], SpecStats]:
     """Generate from B rows whose prompts are already in `full` (exact) and `draft` (compressed).
 
     first [B]: the first generated token (sampled from the full-KV prefill logits), or first [B, P]:
@@ -111,9 +121,9 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: RowCache, first: T
             q_probs.append(q_i)
             x, pos = tok[:, None], pos[:, -1:] + 1
         if arrival is not None:
-            arrival.wait()                # the full KV is in the full cache from here on
+            arrival.wait()  # the full KV is in the full cache from here on
             arrival = None
-        d = torch.stack(drafts, 1)                                                    # [B, k]
+        d = torch.stack(drafts, 1)  # [B, k]
         k_round = d.shape[1]
         # 2) VERIFY all k in ONE forward over the full KV: inputs [pending, d_1..d_k] give the
         #    full-KV distributions p_1..p_{k+1} for positions base_full+P .. base_full+P+k.
@@ -121,7 +131,7 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: RowCache, first: T
         verify_in = torch.cat([pending, d], 1)
         positions = base_full[:, None] + torch.arange(p_len + k_round, device=dev)[None]
         target_logits, _ = model(verify_in, positions, full)
-        target_logits = target_logits[:, p_len - 1:]
+        target_logits = target_logits[:, p_len - 1 :]
         # 3) ACCEPT the longest prefix that the full model agrees with, plus one bonus token.
         if cfg.temperature <= 0:
             n, bonus = accept_greedy(d, target_logits)
@@ -161,8 +171,9 @@ def speculative_decode(model: CausalLM, full: KVCache, draft: RowCache, first: T
 
 
 @torch.inference_mode()
-def autoregressive_decode(model: CausalLM, cache: RowCache, first: Tensor, start_positions: Tensor,
-                          cfg: DecodeConfig, on_tokens=None) -> list[list[int]]:
+def autoregressive_decode(
+    model: CausalLM, cache: RowCache, first: Tensor, start_positions: Tensor, cfg: DecodeConfig, on_tokens=None
+) -> list[list[int]]:
     """Plain one-token-at-a-time decoding on `cache` (full KV: the reference; compressed: lossy)."""
     b, eos = cache.batch, model.cfg.eos_token_ids
     gen = cfg.generator()

@@ -4,6 +4,7 @@ config.py (RemoteCacheConfig, the one owner of store settings), store_client.py 
 its own event-loop thread), full_copy.py (the full copy streamed layer by layer: shared with the vLLM
 connector), prefix_cache.py (RemotePrefixCache: the engine's compressed-first hits).
 """
+
 from __future__ import annotations
 
 from .config import RemoteCacheConfig

@@ -5,6 +5,7 @@ the vLLM connector's worker (into vLLM's paged blocks). A layer that does not ar
 counts as a dropped stream; a layer out of order, of the wrong shape, or a copy with the wrong number
 of layers is a StoreError. The caller decides what a failure means (recompute, report the blocks).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,14 @@ from storage_backends import CorruptObject, DualCopyStore, StoreUnavailable
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-async def stream_full_copy(store: DualCopyStore, prefix: Sequence[int], num_layers: int, stall_s: float,
-                           on_layer: OnLayer, shape: tuple[int, ...] | None = None) -> int:
+async def stream_full_copy(
+    store: DualCopyStore,
+    prefix: Sequence[int],
+    num_layers: int,
+    stall_s: float,
+    on_layer: OnLayer,
+    shape: tuple[int, ...] | None = None,
+) -> int:
     """Call on_layer(layer, k, v) for every layer of prefix's full copy, k/v [H_kv, len(prefix), D],
     as each arrives; returns the bytes received. shape: the [H_kv, T, D] every layer must have."""
     got, nbytes = 0, 0
@@ -34,8 +41,9 @@ async def stream_full_copy(store: DualCopyStore, prefix: Sequence[int], num_laye
             if layer != got or layer >= num_layers:
                 raise CorruptObject(f"full copy sent layer {layer}, expected {got} of {num_layers}")
             if shape is not None and (tuple(k.shape) != tuple(shape) or tuple(v.shape) != tuple(shape)):
-                raise CorruptObject(f"full copy layer {layer} is {tuple(k.shape)}/{tuple(v.shape)}, "
-                                    f"expected {tuple(shape)}")
+                raise CorruptObject(
+                    f"full copy layer {layer} is {tuple(k.shape)}/{tuple(v.shape)}, expected {tuple(shape)}"
+                )
             on_layer(layer, k, v)
             nbytes += k.nbytes + v.nbytes
             got += 1

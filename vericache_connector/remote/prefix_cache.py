@@ -11,6 +11,7 @@ prefill locally, write both copies (the store writes payloads first, manifests l
 store fault falls back to local computation, so the output is always the full-KV output.
 One request at a time per RemotePrefixCache.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,24 +39,25 @@ logger = logging.getLogger("vericache.remote")
 @dataclass
 class Timings:
     """Seconds since generate() was called."""
-    first_draft_s: float | None = None   # first token drafted on the compressed KV
+
+    first_draft_s: float | None = None  # first token drafted on the compressed KV
     drafted_until_s: float | None = None  # last draft of round 1 (it drafts on until the full copy is in)
     full_arrived_s: float | None = None  # full prefix KV complete (streamed in, or computed here)
-    first_token_s: float | None = None   # first verified token
+    first_token_s: float | None = None  # first verified token
     total_s: float = 0.0
 
 
 @dataclass
 class RemoteResult:
     tokens: list[int]
-    path: str                  # local | miss | hit | hit-recompute | full-only | fallback-recompute
+    path: str  # local | miss | hit | hit-recompute | full-only | fallback-recompute
     stats: SpecStats
     timings: Timings
-    stored_tokens: int = 0     # prompt tokens looked up in (or written to) the store
+    stored_tokens: int = 0  # prompt tokens looked up in (or written to) the store
     bytes_compressed: int = 0  # fetched
-    bytes_full: int = 0        # fetched
-    wrote: bool = False        # this request wrote copies (now visible)
-    error: str | None = None   # the fault behind a fallback
+    bytes_full: int = 0  # fetched
+    wrote: bool = False  # this request wrote copies (now visible)
+    error: str | None = None  # the fault behind a fallback
 
 
 class _Arrival:
@@ -72,8 +74,11 @@ class _Arrival:
     def wait(self) -> None:
         self.event.wait()
         if self.done_at is None:  # the stream failed: nothing writes into the cache any more
-            logger.warning("full copy stream failed (%s: %s); recomputing the prefix KV locally",
-                           type(self.error).__name__, self.error)
+            logger.warning(
+                "full copy stream failed (%s: %s); recomputing the prefix KV locally",
+                type(self.error).__name__,
+                self.error,
+            )
             self.recompute()
             self.done_at = time.perf_counter()
 
@@ -99,8 +104,8 @@ class _Clock:
 
 @dataclass
 class _Request:
-    prefix: list[int]      # the stored part of the prompt
-    suffix: torch.Tensor   # [1, P] the rest, fed through the first draft and verify passes
+    prefix: list[int]  # the stored part of the prompt
+    suffix: torch.Tensor  # [1, P] the rest, fed through the first draft and verify passes
     decode: DecodeConfig
     t0: float
 
@@ -133,14 +138,25 @@ class RemotePrefixCache:
         if stored == 0:
             res = self._local(ids, decode, t0)
         else:
-            res = self._remote(_Request(ids[:stored], torch.tensor([ids[stored:]], device=self.engine.model.device),
-                                        decode, t0))
+            res = self._remote(
+                _Request(ids[:stored], torch.tensor([ids[stored:]], device=self.engine.model.device), decode, t0)
+            )
         res.stored_tokens, res.timings.total_s = stored, time.perf_counter() - t0
         tm = res.timings
-        logger.info("%s: %d prompt tokens (%d stored), %d new; first draft %s, full KV %s, first token %s, "
-                    "total %.2fs; fetched %d compressed + %d full bytes", res.path, len(ids), stored,
-                    len(res.tokens), _s(tm.first_draft_s), _s(tm.full_arrived_s), _s(tm.first_token_s),
-                    tm.total_s, res.bytes_compressed, res.bytes_full)
+        logger.info(
+            "%s: %d prompt tokens (%d stored), %d new; first draft %s, full KV %s, first token %s, "
+            "total %.2fs; fetched %d compressed + %d full bytes",
+            res.path,
+            len(ids),
+            stored,
+            len(res.tokens),
+            _s(tm.first_draft_s),
+            _s(tm.full_arrived_s),
+            _s(tm.first_token_s),
+            tm.total_s,
+            res.bytes_compressed,
+            res.bytes_full,
+        )
         return res
 
     def _local(self, ids, decode, t0) -> RemoteResult:
@@ -188,8 +204,9 @@ class RemotePrefixCache:
         if isinstance(arrival.error, (CorruptObject, MissingObject)):  # repair: rewrite the full copy
             n = len(r.prefix)
             layers = [{"k": k[0, :, :n], "v": v[0, :, :n]} for k, v in zip(full.keys, full.values)]
-            self._finish_write(res, self._submit(self.store.put_prefix(r.prefix, layers, overwrite=True)),
-                               "full copy repair")
+            self._finish_write(
+                res, self._submit(self.store.put_prefix(r.prefix, layers, overwrite=True)), "full copy repair"
+            )
         return res
 
     def _miss(self, r: _Request, write: bool, error: BaseException | None = None) -> RemoteResult:
@@ -198,8 +215,9 @@ class RemotePrefixCache:
         arrived = time.perf_counter()
         comp = self.compressor.compress(pre.prefix)
         layers = [{"k": k, "v": v} for k, v in zip(pre.prefix.keys, pre.prefix.values)]
-        writing = self._submit(self.store.put_prefix(r.prefix, layers, {comp.spec: comp.to_payload()})) \
-            if write else None
+        writing = (
+            self._submit(self.store.put_prefix(r.prefix, layers, {comp.spec: comp.to_payload()})) if write else None
+        )
         full, draft = self.engine.full_cache([pre], r.extra), self.engine.draft_cache([comp], r.extra)
         res = self._decode(full, draft, r.suffix, r.decode, None, r.t0, "miss" if write else "fallback-recompute")
         res.timings.full_arrived_s, res.error = arrived - r.t0, _err(error)
@@ -217,8 +235,9 @@ class RemotePrefixCache:
         comp = self.compressor.compress(kv)
         writing = None
         if arrival.error is None:  # overwrite: a corrupt payload may sit under the same manifest
-            writing = self._submit(self.store.put_prefix(r.prefix, compressed={comp.spec: comp.to_payload()},
-                                                         overwrite=True))
+            writing = self._submit(
+                self.store.put_prefix(r.prefix, compressed={comp.spec: comp.to_payload()}, overwrite=True)
+            )
         draft = self.engine.draft_cache([comp], r.extra)
         res = self._decode(full, draft, r.suffix, r.decode, None, r.t0, "full-only")
         res.error = _err(error)
@@ -229,10 +248,25 @@ class RemotePrefixCache:
 
     def _decode(self, full, draft, first, decode, arrival, t0, path) -> RemoteResult:
         clock, marks = _Clock(self.engine.model, draft, self.engine.draft_model()), []
-        outs, stats = speculative_decode(clock, full, draft, first, decode, arrival=arrival,
-                                         on_tokens=lambda n: marks or marks.append(time.perf_counter()))
-        return RemoteResult(outs[0], path, stats, Timings(_since(clock.first_draft, t0), _since(clock.round1_end, t0),
-                                                          first_token_s=_since(marks[0] if marks else None, t0)))
+        outs, stats = speculative_decode(
+            clock,
+            full,
+            draft,
+            first,
+            decode,
+            arrival=arrival,
+            on_tokens=lambda n: marks or marks.append(time.perf_counter()),
+        )
+        return RemoteResult(
+            outs[0],
+            path,
+            stats,
+            Timings(
+                _since(clock.first_draft, t0),
+                _since(clock.round1_end, t0),
+                first_token_s=_since(marks[0] if marks else None, t0),
+            ),
+        )
 
     @staticmethod
     def _arrived(res: RemoteResult, arrival: _Arrival, t0: float, failed_path: str) -> RemoteResult:
@@ -247,8 +281,9 @@ class RemotePrefixCache:
             fut.result()
             res.wrote = True
         except Exception as e:  # the request is answered anyway; manifests-last keeps halves invisible
-            logger.warning("%s failed (%s: %s); request answered, nothing half-written is visible",
-                           what, type(e).__name__, e)
+            logger.warning(
+                "%s failed (%s: %s); request answered, nothing half-written is visible", what, type(e).__name__, e
+            )
             res.error = res.error or f"write: {_err(e)}"
 
     # ---- store side (runs on the loop thread) ----------------------------------------------------
@@ -275,8 +310,9 @@ class RemotePrefixCache:
             arrival.nbytes += k.nbytes + v.nbytes
 
         try:
-            await stream_full_copy(self.store, prefix, len(full.keys), self.cfg.timeout_s, put,
-                                   shape=full.keys[0][0, :, :n].shape)
+            await stream_full_copy(
+                self.store, prefix, len(full.keys), self.cfg.timeout_s, put, shape=full.keys[0][0, :, :n].shape
+            )
             arrival.done_at = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - handed over to the decoding thread
             arrival.error = e
@@ -289,8 +325,12 @@ class RemotePrefixCache:
         """The prefix's exact KV from a forward into a fresh cache, copied into the full cache."""
         n, model = len(prefix), self.engine.model
         fresh = model.new_cache(1, n)
-        model(torch.tensor([prefix], device=model.device), torch.arange(n, device=model.device)[None], fresh,
-              last_only=True)
+        model(
+            torch.tensor([prefix], device=model.device),
+            torch.arange(n, device=model.device)[None],
+            fresh,
+            last_only=True,
+        )
         for layer in range(len(full.keys)):
             full.keys[layer][0, :, :n] = fresh.keys[layer][0]
             full.values[layer][0, :, :n] = fresh.values[layer][0]
@@ -302,11 +342,16 @@ class RemotePrefixCache:
         w = min(self.engine.obs_window, n)
         scratch = model.new_cache(1, n)
         for layer in range(len(full.keys)):
-            scratch.keys[layer][0, :, :n - w] = full.keys[layer][0, :, :n - w]
-            scratch.values[layer][0, :, :n - w] = full.values[layer][0, :, :n - w]
+            scratch.keys[layer][0, :, : n - w] = full.keys[layer][0, :, : n - w]
+            scratch.values[layer][0, :, : n - w] = full.values[layer][0, :, : n - w]
         scratch.lengths[0] = n - w
-        _, obs = model(torch.tensor([prefix[n - w:]], device=model.device),
-                       torch.arange(n - w, n, device=model.device)[None], scratch, obs_window=w, last_only=True)
+        _, obs = model(
+            torch.tensor([prefix[n - w :]], device=model.device),
+            torch.arange(n - w, n, device=model.device)[None],
+            scratch,
+            obs_window=w,
+            last_only=True,
+        )
         return [o[0] for o in obs]
 
 

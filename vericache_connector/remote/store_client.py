@@ -4,6 +4,7 @@ Async clients (redis-py, aiobotocore-style sessions) are bound to the loop they 
 every call of one store goes through this one loop. ``call`` waits (with a timeout that turns into
 StoreUnavailable); ``submit`` returns a concurrent Future for work that runs on while the caller goes on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,9 @@ from .config import RemoteCacheConfig
 class StoreClient:
     def __init__(self, cfg: RemoteCacheConfig, model_name: str, dtype: torch.dtype, name: str = "vericache-store"):
         self.cfg = cfg
-        self.store = DualCopyStore(cfg.url, model_name, dtype, cfg.chunk_size, cfg.bandwidth_bytes_per_s,
-                                   timeout_s=cfg.timeout_s)
+        self.store = DualCopyStore(
+            cfg.url, model_name, dtype, cfg.chunk_size, cfg.bandwidth_bytes_per_s, timeout_s=cfg.timeout_s
+        )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()

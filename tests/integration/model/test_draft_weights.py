@@ -1,6 +1,7 @@
 """vericache_connector/draft_weights.py: int8 weight-only linears equal their reference math on random
 inputs (the CPU op's shapes and the fallback's), and VeriCache drafting with int8 / bfloat16 weights
 still reproduces plain full-KV greedy decoding of the float32 model on the real prompts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,9 @@ from vericache_connector.compressors import get_compressor
 from vericache_connector.draft.weights import Int8Linear, make_draft_model
 
 
-@pytest.mark.parametrize("fan_in,fan_out,bias", [(576, 1536, False), (1536, 576, True), (100, 37, True),
-                                                 (63, 5, False)])
+@pytest.mark.parametrize(
+    "fan_in,fan_out,bias", [(576, 1536, False), (1536, 576, True), (100, 37, True), (63, 5, False)]
+)
 def test_int8_linear_matches_reference_math(fan_in, fan_out, bias):
     """fan_in % 32 == 0 runs torch._weight_int8pack_mm, the others the float fallback."""
     g = torch.Generator().manual_seed(fan_in)
@@ -42,15 +44,16 @@ def test_draft_model_copies_and_bad_weights(engine):
     assert d is not engine.model and d.dtype == torch.bfloat16 and engine.model.dtype == torch.float32
     assert isinstance(d.layers[0].mlp.up_proj, Int8Linear) and isinstance(d.lm_head, Int8Linear)
     assert d.inv_freq.dtype == torch.float32
-    assert isinstance(engine.model.lm_head, nn.Linear)          # the model itself is untouched
+    assert isinstance(engine.model.lm_head, nn.Linear)  # the model itself is untouched
     with pytest.raises(ValueError, match="'int4'"):
         make_draft_model(engine.model, "int4")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights,preset", [("int8", "kivi4"), ("int8", "snapkv-4x"), ("bfloat16", "kivi2")])
-def test_identical_to_full_kv_greedy_with_cheaper_draft_weights(engine, prefills, reference, greedy_cfg,
-                                                                  weights, preset):
+def test_identical_to_full_kv_greedy_with_cheaper_draft_weights(
+    engine, prefills, reference, greedy_cfg, weights, preset
+):
     comp = get_compressor(preset)
     draft = dataclasses.replace(engine.draft, weights=weights)
     outs, stats = engine.generate(prefills, [comp.compress(p.prefix) for p in prefills], greedy_cfg, draft=draft)

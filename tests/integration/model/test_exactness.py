@@ -1,5 +1,6 @@
 """VeriCache greedy output == plain full-KV greedy output, token for token, for every compressor, on
 the five bundled real prompts (1.9k-5.6k tokens), 64 new tokens, batched and single-request."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +19,16 @@ def test_identical_to_full_kv_greedy(engine, prefills, reference, greedy_cfg, pr
     outs, stats = engine.generate(prefills, compressed, greedy_cfg)
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert len(out) == greedy_cfg.max_new_tokens
-        assert out == ref, f"{preset}: prompt {i} differs from full-KV greedy at token " \
-                           f"{next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}"
+        assert out == ref, (
+            f"{preset}: prompt {i} differs from full-KV greedy at token "
+            f"{next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}"
+        )
     assert stats.mean_accepted() > 0.5, f"{preset}: drafts are almost never accepted"
 
 
-@pytest.mark.parametrize("preset,k,adaptive", [("snapkv-4x", 32, False), ("kivi4", 4, True),
-                                               ("streamingllm-8x", 16, True)])
+@pytest.mark.parametrize(
+    "preset,k,adaptive", [("snapkv-4x", 32, False), ("kivi4", 4, True), ("streamingllm-8x", 16, True)]
+)
 def test_identical_other_horizons(engine, prefills, reference, greedy_cfg, preset, k, adaptive):
     cfg = dataclasses.replace(greedy_cfg, draft_k=k, adaptive=adaptive, k_min=2, k_max=32)
     comp = get_compressor(preset)

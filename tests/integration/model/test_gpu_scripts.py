@@ -1,4 +1,5 @@
 """The prepared GPU scripts run (tiny config, CPU) so they do not rot between device calls."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ from paths import load_benchmark as load
 
 def test_gpu_step_time_smoke(capsys):
     mod = load("gpu_step_time")
-    assert mod.main(["--smoke", "--layers", "2", "--contexts", "256", "--batches", "1", "2", "--reps", "2",
-                     "--json"]) == 0
+    assert (
+        mod.main(["--smoke", "--layers", "2", "--contexts", "256", "--batches", "1", "2", "--reps", "2", "--json"]) == 0
+    )
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 2 and all(r["full_s"] > 0 and r["verify_s"] > 0 and r["predicted_speedup"] > 0 for r in rows)
 

@@ -1,4 +1,5 @@
 """Our Llama-family forward against Hugging Face transformers, and the batched KV cache's bookkeeping."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,12 +27,32 @@ def prefill_then_decode(model, ids, split):
 def test_matches_transformers_on_tiny_random_checkpoints(tmp_path, model_type):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}} \
-        if model_type == "llama" else {}
-    cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               max_position_embeddings=512, tie_word_embeddings=False, **extra)
+    extra = (
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        }
+        if model_type == "llama"
+        else {}
+    )
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **extra,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     ids = torch.randint(0, 300, (1, 150))
@@ -72,7 +93,7 @@ def test_ragged_batch_rows_equal_single_rows(engine):
     pos = torch.tensor(lens)[:, None] + torch.arange(4)[None]
     out_b, _ = m(new, pos, batch)
     for row, c in enumerate(caches):
-        out_s, _ = m(new[row:row + 1], pos[row:row + 1], c)
+        out_s, _ = m(new[row : row + 1], pos[row : row + 1], c)
         torch.testing.assert_close(out_b[row], out_s[0], atol=1e-4, rtol=1e-4)
     assert batch.lengths.tolist() == [n + 4 for n in lens]
 

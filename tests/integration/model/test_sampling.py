@@ -1,4 +1,5 @@
 """Sampled VeriCache output has exactly the full-KV distribution (speculative rejection sampling)."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float =
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
+    return float(
+        chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -1,6 +1,7 @@
 """RemotePrefixCache on a real prompt (graphlib_py, 1886 tokens -> 1792 stored, 94-token suffix): a cold
 request stores both copies, a warm one drafts on the compressed copy while the full copy streams in, and
 every store fault still gives the full-KV greedy output."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,9 +56,17 @@ def env(engine):
     pre = eng.prefill(ids[:stored])
     with RemotePrefixCache(eng, RemoteCacheConfig()) as cache:
         model = cache.store.keys.model_name
-    return SimpleNamespace(engine=eng, ids=ids, stored=stored, full_bytes=full_bytes, bw=full_bytes / FULL_SECONDS,
-                           ref=engine.generate_full([engine.prefill(ids)], CFG)[0], pre=pre,
-                           comp=get_compressor("kivi4").compress(pre.prefix), model=model)
+    return SimpleNamespace(
+        engine=eng,
+        ids=ids,
+        stored=stored,
+        full_bytes=full_bytes,
+        bw=full_bytes / FULL_SECONDS,
+        ref=engine.generate_full([engine.prefill(ids)], CFG)[0],
+        pre=pre,
+        comp=get_compressor("kivi4").compress(pre.prefix),
+        model=model,
+    )
 
 
 def store(env, url, model=None, dtype=torch.float32) -> DualCopyStore:
@@ -68,12 +77,14 @@ async def seed(env, url, model=None, dtype=torch.float32):
     """Write both copies of the prefix straight through DualCopyStore (independent of the code under test)."""
     layers = [{"k": k.to(dtype), "v": v.to(dtype)} for k, v in zip(env.pre.prefix.keys, env.pre.prefix.values)]
     async with store(env, url, model, dtype) as st:
-        await st.put_prefix(env.ids[:env.stored], layers, {env.comp.spec: env.comp.to_payload()})
+        await st.put_prefix(env.ids[: env.stored], layers, {env.comp.spec: env.comp.to_payload()})
 
 
 async def present(env, url, spec=None):
     async with store(env, url) as st:
-        return await st.lookup(env.ids[:env.stored]), await st.has_compressed(env.ids[:env.stored], spec or env.comp.spec)
+        return await st.lookup(env.ids[: env.stored]), await st.has_compressed(
+            env.ids[: env.stored], spec or env.comp.spec
+        )
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +112,7 @@ def ask(env, url, decode=CFG, **kw):
 async def tamper(env, url, spec, chunk, fn):
     """Replace (or delete, fn -> None) the payload of one stored copy through the backend."""
     async with store(env, url) as st:
-        chunks = st.keys.chunks(env.ids[:env.stored])
+        chunks = st.keys.chunks(env.ids[: env.stored])
         key = (chunks[chunk] if spec == "full" else chunks[-1]).copy(spec)
         m = Manifest.from_bytes(await st.backend.get(key), key)
         new = fn(await st.backend.get(m.payload_key), m)
@@ -114,7 +125,8 @@ async def tamper(env, url, spec, chunk, fn):
 def flip_layer(layer):
     def fn(data, m):
         at = m.layers[layer].offset + m.layers[layer].length // 2
-        return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
+        return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :]
+
     return fn
 
 
@@ -123,9 +135,16 @@ def warnings(caplog):
 
 
 # ---- config --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw,bad", [({"url": "ftp://x"}, "ftp://x"), ({"url": "nowhere"}, "nowhere"),
-                                    ({"chunk_size": 0}, "0"), ({"timeout_s": -1.0}, "-1.0"),
-                                    ({"bandwidth_bytes_per_s": 0}, "0")])
+@pytest.mark.parametrize(
+    "kw,bad",
+    [
+        ({"url": "ftp://x"}, "ftp://x"),
+        ({"url": "nowhere"}, "nowhere"),
+        ({"chunk_size": 0}, "0"),
+        ({"timeout_s": -1.0}, "-1.0"),
+        ({"bandwidth_bytes_per_s": 0}, "0"),
+    ],
+)
 def test_bad_config_names_the_value(kw, bad):
     with pytest.raises(ValueError, match=bad):
         RemoteCacheConfig(**kw)
@@ -186,11 +205,14 @@ def test_store_unreachable_recomputes(env, fault, caplog):
     assert res.timings.full_arrived_s < 3, "waited on the store past its 0.5 s timeout (prefill is memoized)"
 
 
-@pytest.mark.parametrize("fault,chunk,fn,why", [
-    ("corrupt", 3, flip_layer(12), "checksum"),
-    ("truncated", 5, lambda d, m: d[:len(d) // 2], "truncated"),
-    ("missing", 0, lambda d, m: None, "MissingObject"),
-])
+@pytest.mark.parametrize(
+    "fault,chunk,fn,why",
+    [
+        ("corrupt", 3, flip_layer(12), "checksum"),
+        ("truncated", 5, lambda d, m: d[: len(d) // 2], "truncated"),
+        ("missing", 0, lambda d, m: None, "MissingObject"),
+    ],
+)
 def test_broken_full_copy_recomputes_prefix(env, seeded, fault, chunk, fn, why, caplog):
     run(tamper(env, seeded, "full", chunk, fn))
     res = ask(env, seeded)
@@ -243,7 +265,8 @@ def test_unusable_compressed_copy_uses_full(env, seeded, spec, caplog):
 
     async def readable():
         async with store(env, seeded) as st:
-            return await st.get_compressed(env.ids[:env.stored], full_spec) is not None
+            return await st.get_compressed(env.ids[: env.stored], full_spec) is not None
+
     assert run(readable())
 
 

@@ -86,9 +86,11 @@ def test_disk_writes_are_atomic_and_leave_no_temp_files(disk_url, monkeypatch):
 @pytest.mark.parametrize("kind", ["redis", "s3", "nixl"])
 def test_server_down_raises_store_unavailable_quickly(kind):
     port = closed_port()
-    url = {"redis": f"redis://127.0.0.1:{port}/0",
-           "s3": f"s3://bucket/p?endpoint_url=http://127.0.0.1:{port}&region=us-east-1",
-           "nixl": f"nixl://127.0.0.1:{port}"}[kind]
+    url = {
+        "redis": f"redis://127.0.0.1:{port}/0",
+        "s3": f"s3://bucket/p?endpoint_url=http://127.0.0.1:{port}&region=us-east-1",
+        "nixl": f"nixl://127.0.0.1:{port}",
+    }[kind]
     need(has_module({"redis": "redis", "s3": "boto3", "nixl": "nixl"}[kind]), f"{kind} client not installed")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -112,9 +114,11 @@ def test_hung_server_times_out_as_store_unavailable(kind):
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     silent = SilentServer()
-    url = {"redis": f"redis://127.0.0.1:{silent.port}/0",
-           "s3": f"s3://bucket/p?endpoint_url=http://127.0.0.1:{silent.port}&region=us-east-1",
-           "nixl": f"nixl://127.0.0.1:{silent.port}"}[kind]
+    url = {
+        "redis": f"redis://127.0.0.1:{silent.port}/0",
+        "s3": f"s3://bucket/p?endpoint_url=http://127.0.0.1:{silent.port}&region=us-east-1",
+        "nixl": f"nixl://127.0.0.1:{silent.port}",
+    }[kind]
 
     async def go():
         b = open_backend(url, timeout_s=0.5, connect_timeout_s=0.5)

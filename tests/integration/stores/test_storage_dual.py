@@ -23,14 +23,27 @@ MODEL = "SmolLM2-135M"
 
 def compressed_copies(seed=0):
     g = torch.Generator().manual_seed(seed)
-    kivi = ({"bits": 4, "group": 32}, [
-        {"k_q": torch.randint(0, 255, (2, 600, 8), generator=g, dtype=torch.uint8),
-         "k_scale": torch.randn(2, 600, 1, generator=g).to(torch.bfloat16),
-         "v_q": torch.randint(-100, 100, (2, 600, 8), generator=g, dtype=torch.int16)}
-        for _ in range(3)])
-    snap = ({"keep": [0, 5, 9]}, [
-        {"k": torch.randn(2, 150, 16, generator=g).to(torch.float8_e4m3fn),
-         "idx": torch.arange(150, dtype=torch.int64)} for _ in range(3)])
+    kivi = (
+        {"bits": 4, "group": 32},
+        [
+            {
+                "k_q": torch.randint(0, 255, (2, 600, 8), generator=g, dtype=torch.uint8),
+                "k_scale": torch.randn(2, 600, 1, generator=g).to(torch.bfloat16),
+                "v_q": torch.randint(-100, 100, (2, 600, 8), generator=g, dtype=torch.int16),
+            }
+            for _ in range(3)
+        ],
+    )
+    snap = (
+        {"keep": [0, 5, 9]},
+        [
+            {
+                "k": torch.randn(2, 150, 16, generator=g).to(torch.float8_e4m3fn),
+                "idx": torch.arange(150, dtype=torch.int64),
+            }
+            for _ in range(3)
+        ],
+    )
     return {"kivi:bits=4,group=32": kivi, "snapkv:ratio=4": snap}
 
 
@@ -172,8 +185,9 @@ def test_writer_crash_leaves_nothing_visible(memory_url, crash_on):
     spec = "snapkv:ratio=4"
 
     async def go():
-        writer = DualCopyStore(CrashingWriter(open_backend(memory_url), crash_on), MODEL, torch.float16,
-                               write_batch_bytes=1)  # one chunk per batch
+        writer = DualCopyStore(
+            CrashingWriter(open_backend(memory_url), crash_on), MODEL, torch.float16, write_batch_bytes=1
+        )  # one chunk per batch
         with pytest.raises(StoreUnavailable):
             await writer.put_prefix(tokens, kv)
         writer.backend.dead = False
@@ -364,8 +378,9 @@ def test_redis_killed_mid_stream_raises_store_unavailable(private_redis):
     async def go():
         async with DualCopyStore(private_redis.url, MODEL, torch.float32) as w:
             await w.put_prefix(tokens, kv)
-        r = DualCopyStore(private_redis.url, MODEL, torch.float32, bandwidth_bytes_per_s=2_000_000,
-                          timeout_s=2, connect_timeout_s=1)
+        r = DualCopyStore(
+            private_redis.url, MODEL, torch.float32, bandwidth_bytes_per_s=2_000_000, timeout_s=2, connect_timeout_s=1
+        )
         seen = []
         t = time.monotonic()
         with pytest.raises(StoreUnavailable):
@@ -400,8 +415,9 @@ def test_connection_dropped_mid_stream_through_proxy(kind, request):
     async def go():
         async with DualCopyStore(url, MODEL, torch.float32) as w:
             await w.put_prefix(tokens, kv)
-        r = DualCopyStore(proxied, MODEL, torch.float32, bandwidth_bytes_per_s=2_000_000,
-                          timeout_s=2, connect_timeout_s=1)
+        r = DualCopyStore(
+            proxied, MODEL, torch.float32, bandwidth_bytes_per_s=2_000_000, timeout_s=2, connect_timeout_s=1
+        )
         seen = []
         with pytest.raises(StoreUnavailable):
             async for i, _k, _v in r.stream_full(tokens):
@@ -423,10 +439,12 @@ def test_store_down_surfaces_as_store_unavailable():
     port = closed_port()
 
     async def go():
-        s = DualCopyStore(f"redis://127.0.0.1:{port}/0", MODEL, torch.float16, timeout_s=1,
-                          connect_timeout_s=0.5)
-        for call in (s.lookup(list(range(10))), s.get_compressed(list(range(10)), "kivi:bits=4"),
-                     collect(s, list(range(10)))):
+        s = DualCopyStore(f"redis://127.0.0.1:{port}/0", MODEL, torch.float16, timeout_s=1, connect_timeout_s=0.5)
+        for call in (
+            s.lookup(list(range(10))),
+            s.get_compressed(list(range(10)), "kivi:bits=4"),
+            collect(s, list(range(10))),
+        ):
             with pytest.raises(StoreUnavailable):
                 await call
         await s.close()

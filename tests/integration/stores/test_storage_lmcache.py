@@ -13,8 +13,10 @@ PLUGIN = "vericache"
 
 @pytest.fixture(autouse=True)
 def _lmcache():
-    need(has_module("lmcache"), "lmcache is not installed (see .ci/services.sh: "
-         "pip install --no-deps lmcache==0.5.6 + minimal deps)")
+    need(
+        has_module("lmcache"),
+        "lmcache is not installed (see .ci/services.sh: pip install --no-deps lmcache==0.5.6 + minimal deps)",
+    )
 
 
 def make_manager(url: str, **plugin_opts):
@@ -24,7 +26,8 @@ def make_manager(url: str, **plugin_opts):
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     config = LMCacheEngineConfig.from_defaults(
-        chunk_size=256, local_cpu=True, max_local_cpu_size=0.05, lmcache_instance_id="vc-test")
+        chunk_size=256, local_cpu=True, max_local_cpu_size=0.05, lmcache_instance_id="vc-test"
+    )
     config.remote_storage_plugins = [PLUGIN]
     config.extra_config = {
         f"remote_storage_plugin.{PLUGIN}.module_path": "storage_backends.lmcache_plugin",
@@ -32,9 +35,16 @@ def make_manager(url: str, **plugin_opts):
         f"remote_storage_plugin.{PLUGIN}.url": url,
         **{f"remote_storage_plugin.{PLUGIN}.{k}": v for k, v in plugin_opts.items()},
     }
-    meta = LMCacheMetadata(model_name="smol", world_size=1, local_world_size=1, worker_id=0,
-                           local_worker_id=0, kv_dtype=torch.float16, kv_shape=(4, 2, 256, 3, 64),
-                           role="worker")
+    meta = LMCacheMetadata(
+        model_name="smol",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=(4, 2, 256, 3, 64),
+        role="worker",
+    )
     return StorageManager(config, meta, EventManager()), meta
 
 
@@ -115,8 +125,7 @@ def test_corrupt_object_is_reported_as_a_miss(memory_url):
 
 def test_store_down_is_a_miss_and_close_does_not_hang():
     need(has_module("redis"), "python package 'redis' is not installed")
-    manager, meta = make_manager(f"redis://127.0.0.1:{closed_port()}/0", timeout_s=1,
-                                 connect_timeout_s=0.5)
+    manager, meta = make_manager(f"redis://127.0.0.1:{closed_port()}/0", timeout_s=1, connect_timeout_s=0.5)
     try:
         remote = manager.storage_backends[f"RemoteBackend-{PLUGIN}"]
         keys, _ = put_chunks(manager, meta, n=1)  # logged, not raised
@@ -135,11 +144,19 @@ def test_missing_url_is_a_clear_error(monkeypatch):
 
     monkeypatch.delenv("VERICACHE_STORE_URL", raising=False)
     with pytest.raises(ValueError, match="store URL"):
-        resolve_plugin_options(SimpleNamespace(extra_config={}, remote_storage_plugins=[PLUGIN]),
-                               "VeriCacheRemoteConnector")
-    opts = resolve_plugin_options(SimpleNamespace(
-        extra_config={"remote_storage_plugin.x.class_name": "VeriCacheRemoteConnector",
-                      "remote_storage_plugin.x.module_path": "m",
-                      "remote_storage_plugin.x.url": "local://", "remote_storage_plugin.x.timeout_s": 3},
-        remote_storage_plugins=["x"]), "VeriCacheRemoteConnector")
+        resolve_plugin_options(
+            SimpleNamespace(extra_config={}, remote_storage_plugins=[PLUGIN]), "VeriCacheRemoteConnector"
+        )
+    opts = resolve_plugin_options(
+        SimpleNamespace(
+            extra_config={
+                "remote_storage_plugin.x.class_name": "VeriCacheRemoteConnector",
+                "remote_storage_plugin.x.module_path": "m",
+                "remote_storage_plugin.x.url": "local://",
+                "remote_storage_plugin.x.timeout_s": 3,
+            },
+            remote_storage_plugins=["x"],
+        ),
+        "VeriCacheRemoteConnector",
+    )
     assert opts == {"url": "local://", "timeout_s": 3}

@@ -2,6 +2,7 @@
 with --kv-transfer-config, answering the same token ids as the same server without the connector, for
 cold requests (stored) and warm ones (loaded, drafted on the compressed copy and verified by vLLM), one
 at a time and batched, greedy and seeded sampling; a store that goes down means recomputation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -74,7 +75,7 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
             assert srv.complete(p, NEW).token_ids == ref, "warm"
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
             batch = list(pool.map(lambda p: srv.complete(p, NEW).token_ids, ids))
-        assert batch == greedy[:len(ids)], "warm, batched"
+        assert batch == greedy[: len(ids)], "warm, batched"
         hits = lines(srv, r"hit \S+: \d+ tokens loaded \(compressed copy after")
         assert len(hits) == 2 * len(ids), srv.log_tail()
         assert not lines(srv, r"load of \S+ failed|save of \S+ failed")
@@ -90,6 +91,7 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
             async for layer, k, v in st.stream_full(ids[0][:1024]):
                 if layer == 3:
                     return k, v
+
     k, v = asyncio.run(first_layers())
     pre = engine.prefill(ids[0][:1024])
     torch.testing.assert_close(k, pre.prefix.keys[3], atol=1e-3, rtol=1e-3)
@@ -100,6 +102,7 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
     """Connector alone on Redis: greedy and seeded sampling identical cold and warm; then the store goes
     away mid-run and requests are recomputed, still identical."""
     import os
+
     url = os.environ.get("VERICACHE_REDIS_URL")
     need(bool(url), "VERICACHE_REDIS_URL is not set (start redis with: source .ci/services.sh)")
     host, port = re.match(r"redis://([^:/]+):(\d+)", url).groups()
@@ -107,8 +110,9 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
     greedy, sampled = reference
     proxy = TcpProxy(host, int(port))
     try:
-        cfg = ServerConfig(model_dir, store=f"redis://127.0.0.1:{proxy.port}/0?prefix=vllm{proxy.port}:",
-                           timeout_s=SLOW_CI_S)
+        cfg = ServerConfig(
+            model_dir, store=f"redis://127.0.0.1:{proxy.port}/0?prefix=vllm{proxy.port}:", timeout_s=SLOW_CI_S
+        )
         with VLLMServer(cfg) as srv:
             assert srv.complete(ids[0], NEW).token_ids == greedy[0]  # cold: computed, then saved
             wait_lines(srv, r"saved \S+: 1024 tokens", 1)
@@ -134,6 +138,7 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
 async def corrupt_full_chunk(url: str, prefix: list[int], chunk: int) -> None:
     """Flip one byte in the middle of the stored full copy of one chunk (its manifest stays)."""
     from storage_backends import DualCopyStore, Manifest
+
     async with DualCopyStore(url, "smollm2-135m-instruct", torch.float32, 256) as st:
         key = st.keys.chunks(prefix)[chunk].copy("full")
         m = Manifest.from_bytes(await st.backend.get(key), key)
@@ -144,6 +149,7 @@ async def corrupt_full_chunk(url: str, prefix: list[int], chunk: int) -> None:
 
 def test_config_errors_name_the_value():
     from vericache_connector.integration.vllm.config import load_connector_config
+
     with pytest.raises(ValueError, match="nope"):
         load_connector_config({"compressor": "nope"})
     with pytest.raises(ValueError, match="chunk"):

@@ -1,6 +1,7 @@
 """The vLLM connector in-process, against vLLM's own v1 Scheduler (scheduler side) and a paged KV buffer
 in vLLM's CPU layout (worker side): what gets loaded, saved, reported and recomputed, with no server.
 The live-server tests (test_vllm_connector.py) check the output identity end to end."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,9 +24,9 @@ from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_
 from stores import closed_port, drop_memory_store, random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
 
-PROMPT = list(range(1000, 1600))     # 600 tokens: 2 whole chunks of 256 stored (512), 88 computed
+PROMPT = list(range(1000, 1600))  # 600 tokens: 2 whole chunks of 256 stored (512), 88 computed
 STORED = 512
-MODEL = "smollm2-135m-instruct"      # the store's model name for the converted bundled model
+MODEL = "smollm2-135m-instruct"  # the store's model name for the converted bundled model
 LAYERS, HEADS, DIM = 30, 3, 64
 
 
@@ -63,14 +64,14 @@ def test_cold_prompt_is_computed_and_its_whole_chunks_saved(model_dir, store_url
     req = create_request(PROMPT)
     sched.add_request(req)
     so = sched.schedule()
-    assert so.num_scheduled_tokens[req.request_id] == len(PROMPT)        # a miss: computed here
+    assert so.num_scheduled_tokens[req.request_id] == len(PROMPT)  # a miss: computed here
     meta = so.kv_connector_metadata
     assert not meta.loads and len(meta.saves) == 1
     (save,) = meta.saves
     assert save.prefix == PROMPT[:STORED] and not save.overwrite
-    assert save.block_ids == list(so.scheduled_new_reqs[0].block_ids[0][:STORED // BLOCK_SIZE])
+    assert save.block_ids == list(so.scheduled_new_reqs[0].block_ids[0][: STORED // BLOCK_SIZE])
     sched.update_from_output(so, runner_output([req]))
-    assert not sched.schedule().kv_connector_metadata.saves             # saved once
+    assert not sched.schedule().kv_connector_metadata.saves  # saved once
 
 
 def test_stored_prefix_is_loaded_asynchronously_then_the_rest_computed(model_dir, store_url):
@@ -84,9 +85,9 @@ def test_stored_prefix_is_loaded_asynchronously_then_the_rest_computed(model_dir
     assert (load.prefix, load.start, load.prompt) == (PROMPT[:STORED], 0, PROMPT)
     assert len(load.block_ids) >= STORED // BLOCK_SIZE
     sched.update_from_output(so, runner_output([], finished_recving={req.request_id}))
-    so = sched.schedule()                                            # the load finished: compute the rest
+    so = sched.schedule()  # the load finished: compute the rest
     assert so.num_scheduled_tokens[req.request_id] == len(PROMPT) - STORED
-    assert not so.kv_connector_metadata.saves                        # a loaded prefix is not written again
+    assert not so.kv_connector_metadata.saves  # a loaded prefix is not written again
     sched.update_from_output(so, runner_output([req]))
     conn = sched.connector.scheduler
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
@@ -103,9 +104,9 @@ def test_failed_load_is_recomputed_then_rewritten(model_dir, store_url, first_ba
     sched.add_request(req)
     so = sched.schedule()
     (load,) = so.kv_connector_metadata.loads
-    bad = set(load.block_ids[first_bad:STORED // BLOCK_SIZE])
+    bad = set(load.block_ids[first_bad : STORED // BLOCK_SIZE])
     sched.update_from_output(so, runner_output([], finished_recving={req.request_id}, invalid_block_ids=bad))
-    so = sched.schedule()                  # recompute policy: from the first bad block on, computed here
+    so = sched.schedule()  # recompute policy: from the first bad block on, computed here
     assert so.num_scheduled_tokens[req.request_id] == len(PROMPT) - first_bad * BLOCK_SIZE
     saves = so.kv_connector_metadata.saves
     assert len(saves) == 1 and saves[0].overwrite and saves[0].prefix == PROMPT[:STORED]
@@ -121,7 +122,7 @@ def test_store_down_is_a_miss(model_dir):
 
 def test_short_prompt_is_neither_looked_up_nor_saved(model_dir, store_url):
     sched = create_scheduler(vllm_config(model_dir, store_url))
-    req = create_request(PROMPT[:256])       # one chunk exactly: nothing left to compute after it
+    req = create_request(PROMPT[:256])  # one chunk exactly: nothing left to compute after it
     sched.add_request(req)
     meta = sched.schedule().kv_connector_metadata
     assert not meta.loads and not meta.saves
@@ -136,11 +137,15 @@ def worker(model_dir, url, proposer: bool = False):
 
     cfg = vllm_config(model_dir, url)
     if proposer:
-        cfg = create_vllm_config(model_dir, {"store": url, "compressor": "int8"},
-                                 speculative={"method": "custom_class", "model": PROPOSER_CLASS})
+        cfg = create_vllm_config(
+            model_dir,
+            {"store": url, "compressor": "int8"},
+            speculative={"method": "custom_class", "model": PROPOSER_CLASS},
+        )
     conn = VeriCacheConnector(cfg, KVConnectorRole.WORKER, None)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM)
-              for i in range(LAYERS)}
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
+    }
     conn.register_kv_caches(caches)
     views = [kv_views(t, HEADS, DIM) for t in caches.values()]
     return conn, views
@@ -180,8 +185,7 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         n, comp = conn.draft_handoff.find(PROMPT)
         assert n == STORED and comp.num_layers == LAYERS
         # load it into other blocks: the same KV arrives, the request is reported finished
-        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0,
-                                                                       PROMPT)]))
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)]))
         conn.start_load_kv(None)
         assert wait_for(lambda: conn.get_finished(set())[1]) == {"b"}
         assert not conn.get_block_ids_with_load_errors()
@@ -189,8 +193,9 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
             assert torch.equal(k0, k1) and torch.equal(v0, v1)
         # a corrupt chunk: the load fails, its blocks are reported for recomputation
         asyncio.run(_corrupt(store_url, PROMPT[:STORED], 1))
-        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("c", PROMPT[:STORED], [4, 5, 6, 7], 128,
-                                                                       PROMPT)]))
+        conn.bind_connector_metadata(
+            VeriCacheMetadata(loads=[LoadSpec("c", PROMPT[:STORED], [4, 5, 6, 7], 128, PROMPT)])
+        )
         conn.start_load_kv(None)
         assert wait_for(lambda: conn.get_finished(set())[1]) == {"c"}
         assert conn.get_block_ids_with_load_errors() == {5, 6, 7}
@@ -209,7 +214,7 @@ def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
         assert plain.draft_handoff is None and ours.draft_handoff is not None
         monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
         assert find_handoff() is None
-        multi = type("Multi", (), {"_connectors": [plain, ours]})()       # vLLM's MultiConnector holds ours
+        multi = type("Multi", (), {"_connectors": [plain, ours]})()  # vLLM's MultiConnector holds ours
         monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", multi)
         assert find_handoff() is ours.draft_handoff
     finally:

@@ -10,6 +10,7 @@ Every key may be left out; the store URL and the compressor then come from the e
 arguments), else the defaults below. The result is a RemoteCacheConfig, validated the same way as for
 the engine's own remote prefix cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 from ...remote.config import RemoteCacheConfig
 
-CONNECTOR_MODULE = "vericache_connector.vllm_connector"   # kv_connector_module_path (a stable re-export)
+CONNECTOR_MODULE = "vericache_connector.vllm_connector"  # kv_connector_module_path (a stable re-export)
 PROPOSER_CLASS = "vericache_connector.vllm_proposer.CompressedKVProposer"  # speculative "model" (re-export)
 DEFAULT_STORE = "local:///tmp/vericache-kv"  # on-disk, so every vLLM process on the node shares it
 ENV = {"store": "VERICACHE_STORE_URL", "compressor": "VERICACHE_COMPRESSOR"}
@@ -32,8 +33,9 @@ KEYS = {  # extra-config key -> (RemoteCacheConfig field, type)
 }
 
 
-def load_connector_config(extra: Mapping[str, Any] | str | None,
-                          env: Mapping[str, str] | None = None) -> RemoteCacheConfig:
+def load_connector_config(
+    extra: Mapping[str, Any] | str | None, env: Mapping[str, str] | None = None
+) -> RemoteCacheConfig:
     """``kv_connector_extra_config`` (a dict, or its JSON text) -> RemoteCacheConfig.
 
     Raises ValueError naming the bad key or value.
@@ -67,6 +69,7 @@ def load_connector_config(extra: Mapping[str, Any] | str | None,
         fields[name] = kind(value)
     cfg = RemoteCacheConfig(**fields)
     from ...compressors import get_compressor
+
     get_compressor(cfg.compressor)  # ValueError naming an unknown compressor
     return cfg
 
@@ -80,13 +83,17 @@ def load_kv_transfer_config(text: str, env: Mapping[str, str] | None = None) -> 
         raise ValueError(f"--kv-transfer-config is not JSON: {text!r} ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}")
-    connectors = [cfg] + [c for c in cfg.get("kv_connector_extra_config", {}).get("connectors", [])
-                          if isinstance(c, dict)] if cfg.get("kv_connector") == "MultiConnector" else [cfg]
+    connectors = (
+        [cfg] + [c for c in cfg.get("kv_connector_extra_config", {}).get("connectors", []) if isinstance(c, dict)]
+        if cfg.get("kv_connector") == "MultiConnector"
+        else [cfg]
+    )
     ours = [c for c in connectors if c.get("kv_connector") == "VeriCacheConnector"]
     if not ours:
         raise ValueError(f"--kv-transfer-config does not use VeriCacheConnector: {text!r}")
     mine = ours[0]
     if mine.get("kv_connector_module_path") != CONNECTOR_MODULE:
-        raise ValueError(f"kv_connector_module_path must be {CONNECTOR_MODULE!r}, "
-                         f"got {mine.get('kv_connector_module_path')!r}")
+        raise ValueError(
+            f"kv_connector_module_path must be {CONNECTOR_MODULE!r}, got {mine.get('kv_connector_module_path')!r}"
+        )
     return load_connector_config(mine.get("kv_connector_extra_config"), env)

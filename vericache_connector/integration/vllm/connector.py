@@ -14,6 +14,7 @@ once per role and it forwards every call to the half for that role:
 Anything that goes wrong on a load is reported through get_block_ids_with_load_errors and vLLM
 recomputes those blocks: a store fault never fails a request, and never changes its output.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,19 +52,24 @@ class VeriCacheConnector(KVConnectorBase_V1):
         tc = vllm_config.kv_transfer_config
         self.cfg = cfg = load_connector_config(tc.kv_connector_extra_config)
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and role == KVConnectorRole.SCHEDULER:
-            logger.warning("kv_load_failure_policy is %r: a store fault during a load fails the request; set "
-                           "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to recompute instead",
-                           tc.kv_load_failure_policy)
+            logger.warning(
+                "kv_load_failure_policy is %r: a store fault during a load fails the request; set "
+                '"kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute instead',
+                tc.kv_load_failure_policy,
+            )
         block_size = vllm_config.cache_config.block_size
         if cfg.chunk_size % block_size:
             raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of vLLM's block size {block_size}")
         if get_compressor(cfg.compressor).needs_queries:
-            raise ValueError(f"compressor {cfg.compressor!r} needs the prompt's attention queries, which "
-                             f"vLLM does not hand to connectors; use a query-free one (kivi4, int8, fp8, "
-                             f"turboquant-k4v3, streamingllm-4x, knorm-4x)")
+            raise ValueError(
+                f"compressor {cfg.compressor!r} needs the prompt's attention queries, which "
+                f"vLLM does not hand to connectors; use a query-free one (kivi4, int8, fp8, "
+                f"turboquant-k4v3, streamingllm-4x, knorm-4x)"
+            )
         mc = vllm_config.model_config
-        client = StoreClient(cfg, model_name_of(vllm_config, cfg.model_name), mc.dtype,
-                             f"vericache-{role.name.lower()}")
+        client = StoreClient(
+            cfg, model_name_of(vllm_config, cfg.model_name), mc.dtype, f"vericache-{role.name.lower()}"
+        )
         self.connector_scheduler: VeriCacheConnectorScheduler | None = None
         self.connector_worker: VeriCacheConnectorWorker | None = None
         self.draft_handoff: DraftHandoff | None = None
@@ -72,11 +78,21 @@ class VeriCacheConnector(KVConnectorBase_V1):
         else:
             self.draft_handoff = DraftHandoff() if runs_our_proposer(vllm_config) else None
             self.connector_worker = VeriCacheConnectorWorker(
-                cfg, block_size, mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size(), client,
-                self.draft_handoff)
+                cfg,
+                block_size,
+                mc.get_num_kv_heads(vllm_config.parallel_config),
+                mc.get_head_size(),
+                client,
+                self.draft_handoff,
+            )
         self._client = client
-        logger.info("VeriCacheConnector (%s): store %s, compressor %s, chunk %d", role.name, redact_url(cfg.url),
-                    cfg.compressor, cfg.chunk_size)
+        logger.info(
+            "VeriCacheConnector (%s): store %s, compressor %s, chunk %d",
+            role.name,
+            redact_url(cfg.url),
+            cfg.compressor,
+            cfg.chunk_size,
+        )
 
     @property
     def scheduler(self) -> VeriCacheConnectorScheduler:

@@ -9,6 +9,7 @@ the full copy (with a pre-draft request, so drafting runs while the full copy lo
 copy it has just compressed and saved. Posts are kept (bounded, oldest dropped) until a proposer
 matches them to a running request, so an early post is not lost before the proposer attaches.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,12 +18,13 @@ from typing import Protocol
 
 from ...compressors import CompressedKV
 
-HANDOFF_CAPACITY = 32    # compressed prefixes kept for the proposer
+HANDOFF_CAPACITY = 32  # compressed prefixes kept for the proposer
 
 
 class Drafter(Protocol):
-    def predraft(self, prompt: list[int], prefix_len: int, compressed: CompressedKV,
-                 loaded: threading.Event | None) -> None: ...
+    def predraft(
+        self, prompt: list[int], prefix_len: int, compressed: CompressedKV, loaded: threading.Event | None
+    ) -> None: ...
 
 
 class DraftHandoff:
@@ -36,8 +38,13 @@ class DraftHandoff:
     def attach(self, drafter: Drafter) -> None:
         self.drafter = drafter
 
-    def post(self, prefix: list[int], compressed: CompressedKV, predraft_prompt: list[int] | None = None,
-             loaded: threading.Event | None = None) -> None:
+    def post(
+        self,
+        prefix: list[int],
+        compressed: CompressedKV,
+        predraft_prompt: list[int] | None = None,
+        loaded: threading.Event | None = None,
+    ) -> None:
         """Offer `compressed` (the copy of `prefix`); with predraft_prompt, ask an attached proposer to
         draft that prompt's continuation until `loaded` is set."""
         with self.lock:
@@ -74,5 +81,5 @@ def find_handoff() -> DraftHandoff | None:
         handoff = getattr(conn, "draft_handoff", None)
         if isinstance(handoff, DraftHandoff):
             return handoff
-        todo.extend(getattr(conn, "_connectors", None) or [])     # MultiConnector
+        todo.extend(getattr(conn, "_connectors", None) or [])  # MultiConnector
     return None

@@ -1,4 +1,5 @@
 """What the connector's scheduler side tells its worker side each step (vLLM ships it to the workers)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +10,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 @dataclass
 class LoadSpec:
     req_id: str
-    prefix: list[int]        # the stored tokens to load (chunk-aligned)
-    block_ids: list[int]     # the request's blocks, from token 0
-    start: int               # tokens already computed locally (vLLM's prefix cache): load from here
-    prompt: list[int]        # the whole prompt (for the proposer's pre-draft)
+    prefix: list[int]  # the stored tokens to load (chunk-aligned)
+    block_ids: list[int]  # the request's blocks, from token 0
+    start: int  # tokens already computed locally (vLLM's prefix cache): load from here
+    prompt: list[int]  # the whole prompt (for the proposer's pre-draft)
 
 
 @dataclass

@@ -22,6 +22,7 @@ copy it fetched before the full copy (which then streams into vLLM's blocks), wi
 so drafting runs while the request waits for its full KV and the first verify step finds its drafts
 ready; on a miss, the copy it has just compressed and saved.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -43,22 +44,22 @@ logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its li
 class _Seq:
     """One request's draft state. tokens = prompt + emitted + drafted; the cache holds the compressed
     prefix (kept entries for prefix_len tokens) and the exact KV of tokens[prefix_len:in_cache]."""
+
     prefix_len: int
     prefix_hash: int
     kept: int
     cache: KVCache
     tokens: list[int]
     in_cache: int
-    claimed: bool = False    # by a row of vLLM's batch; a claimed sequence missing from a step has finished
+    claimed: bool = False  # by a row of vLLM's batch; a claimed sequence missing from a step has finished
     busy: concurrent.futures.Future | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-MAX_SEQS = 64            # draft states kept (oldest dropped)
-PREDRAFT_ROUNDS = 4      # a pre-draft runs up to this many horizons ahead while the full copy loads
-CACHE_SLACK = 64         # extra draft-cache entries allocated past the pre-draft
-LOG_EVERY_ROWS = 200     # a stats line every this many drafted rows
-
+MAX_SEQS = 64  # draft states kept (oldest dropped)
+PREDRAFT_ROUNDS = 4  # a pre-draft runs up to this many horizons ahead while the full copy loads
+CACHE_SLACK = 64  # extra draft-cache entries allocated past the pre-draft
+LOG_EVERY_ROWS = 200  # a stats line every this many drafted rows
 
 
 class CompressedKVProposer:
@@ -89,13 +90,15 @@ class CompressedKVProposer:
         """Called by vLLM's model runner; our draft forward runs our own model over the same weights."""
         if self.model is None:
             from ...engine.model import load_model
+
             self.model = load_model(self.model_dir)  # float32 on CPU, bf16 on CUDA
             logger.info("VeriCache proposer: draft model loaded from %s, k=%d", self.model_dir, self.k)
         self._find_handoff()
 
     # ---- called by the connector (worker thread) -------------------------------------------------------
-    def predraft(self, prompt: list[int], prefix_len: int, compressed: CompressedKV,
-                 loaded: threading.Event | None) -> None:
+    def predraft(
+        self, prompt: list[int], prefix_len: int, compressed: CompressedKV, loaded: threading.Event | None
+    ) -> None:
         """Draft ahead of the first verify step while the full KV loads (up to 4k tokens or until loaded)."""
         self.load_model()
         seq = self._new_seq(prompt, prefix_len, compressed)
@@ -137,7 +140,7 @@ class CompressedKVProposer:
         m = _common(seq.tokens, row, seq.prefix_len)
         if m == len(row) and len(seq.tokens) > len(row):  # drafted ahead, still on the emitted path
             self.stats["predrafted_used"] += 1
-            return seq.tokens[len(row):len(row) + k]
+            return seq.tokens[len(row) : len(row) + k]
         return self._draft(seq, row, k, None)
 
     def _draft(self, seq: _Seq, row: list[int], k: int, loaded: threading.Event | None) -> list[int]:
@@ -165,7 +168,7 @@ class CompressedKVProposer:
         for seq in self.seqs.values():
             if id(seq) in claimed or seq.prefix_len >= len(row):
                 continue
-            h = hashes.setdefault(seq.prefix_len, hash(tuple(row[:seq.prefix_len])))
+            h = hashes.setdefault(seq.prefix_len, hash(tuple(row[: seq.prefix_len])))
             if h != seq.prefix_hash:
                 continue
             m = _common(seq.tokens, row, seq.prefix_len)

@@ -8,6 +8,7 @@ again (nothing valid was loaded) or schedules it with fewer computed tokens than
 prefix-cache hit before the loaded part stays valid): either way the prompt is computed here and its
 stored copy rewritten (overwrite). A store that is down or slow is a miss, never a failed request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,11 +36,11 @@ class _Pending:  # a request whose prompt is not yet saved
 class VeriCacheConnectorScheduler:
     def __init__(self, cfg: RemoteCacheConfig, block_size: int, client: StoreClient):
         self.cfg, self.block_size, self.client = cfg, block_size, client
-        self._lookups: dict[str, int] = {}          # req_id -> stored tokens to load
+        self._lookups: dict[str, int] = {}  # req_id -> stored tokens to load
         self._loads: dict[str, LoadSpec] = {}
         self._pending: dict[str, _Pending] = {}
-        self._loaded: dict[str, int] = {}           # req_id -> tokens loaded (loaded requests are not saved)
-        self._repair: set[str] = set()              # their load failed: save (overwrite) after computing
+        self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (loaded requests are not saved)
+        self._repair: set[str] = set()  # their load failed: save (overwrite) after computing
 
     def stored_len(self, prompt: list[int]) -> int:
         return stored_prefix_len(len(prompt), self.cfg.chunk_size)
@@ -56,8 +57,9 @@ class VeriCacheConnectorScheduler:
         try:
             found = self.client.call(self.client.store.lookup(prompt[:stored]))
         except Exception as e:  # down or slow: a miss (recompute), never a failed request
-            logger.warning("store lookup failed for %s (%s: %s): computing the prompt", request.request_id,
-                           type(e).__name__, e)
+            logger.warning(
+                "store lookup failed for %s (%s: %s): computing the prompt", request.request_id, type(e).__name__, e
+            )
             return 0, False
         if found <= num_computed_tokens:
             return 0, False
@@ -69,8 +71,9 @@ class VeriCacheConnectorScheduler:
         prompt = list(request.prompt_token_ids or [])
         if num_external_tokens > 0 and rid in self._lookups:
             found = self._lookups.pop(rid)
-            self._loads[rid] = LoadSpec(rid, prompt[:found], list(blocks.get_block_ids()[0]),
-                                        found - num_external_tokens, prompt)
+            self._loads[rid] = LoadSpec(
+                rid, prompt[:found], list(blocks.get_block_ids()[0]), found - num_external_tokens, prompt
+            )
             self._loaded[rid] = found
             return
         stored = self.stored_len(prompt)
@@ -84,7 +87,7 @@ class VeriCacheConnectorScheduler:
         progress: dict[str, tuple[int, list[int] | None]] = {}
         for r in scheduler_output.scheduled_new_reqs:
             progress[r.req_id] = (r.num_computed_tokens, list(r.block_ids[0]))
-            if r.num_computed_tokens < self._loaded.get(r.req_id, 0):    # its load failed past a valid part
+            if r.num_computed_tokens < self._loaded.get(r.req_id, 0):  # its load failed past a valid part
                 prompt = list(r.prompt_token_ids or [])
                 del self._loaded[r.req_id]
                 self._pending[r.req_id] = _Pending(prompt, self.stored_len(prompt), [], overwrite=True)
@@ -101,8 +104,9 @@ class VeriCacheConnectorScheduler:
             if new_blocks:
                 p.block_ids.extend(new_blocks)
             if computed + scheduler_output.num_scheduled_tokens.get(rid, 0) >= p.stored:
-                meta.saves.append(SaveSpec(rid, p.prompt[:p.stored], p.block_ids[:p.stored // self.block_size],
-                                           p.overwrite))
+                meta.saves.append(
+                    SaveSpec(rid, p.prompt[: p.stored], p.block_ids[: p.stored // self.block_size], p.overwrite)
+                )
                 del self._pending[rid]
         return meta
 

@@ -8,6 +8,7 @@ which drafts at once), while the full copy streams layer by layer into the reque
 (remote.full_copy, the same loop the engine's prefix cache uses). A failed load reports its blocks
 through get_block_ids_with_load_errors and vLLM recomputes them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,12 +27,19 @@ from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
 
 logger = init_logger("vllm.vericache")
-SAVE_TIMEOUT_S = 30.0     # a whole prefix written (at least the store timeout)
+SAVE_TIMEOUT_S = 30.0  # a whole prefix written (at least the store timeout)
 
 
 class VeriCacheConnectorWorker:
-    def __init__(self, cfg: RemoteCacheConfig, block_size: int, num_kv_heads: int, head_dim: int,
-                 client: StoreClient, handoff: DraftHandoff | None):
+    def __init__(
+        self,
+        cfg: RemoteCacheConfig,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        client: StoreClient,
+        handoff: DraftHandoff | None,
+    ):
         self.cfg, self.block_size, self.client = cfg, block_size, client
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.compressor = get_compressor(cfg.compressor)
@@ -45,10 +53,13 @@ class VeriCacheConnectorWorker:
         first = next(iter(kv_caches.values()))
         if first.device.type == "cpu":  # the key layout of vLLM's CPU attention depends on its ISA
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
             isa = _get_attn_isa(first.dtype, self.block_size, self.head_dim)
             if isa != "vec":
-                raise ValueError(f"VeriCacheConnector reads vLLM's CPU KV cache in the 'vec' layout; this "
-                                 f"machine uses {isa!r} (dtype {first.dtype}, block size {self.block_size})")
+                raise ValueError(
+                    f"VeriCacheConnector reads vLLM's CPU KV cache in the 'vec' layout; this "
+                    f"machine uses {isa!r} (dtype {first.dtype}, block size {self.block_size})"
+                )
         named = sorted((layer_index(n, i), t) for i, (n, t) in enumerate(kv_caches.items()))
         self._views = [kv_views(t, self.num_kv_heads, self.head_dim) for _, t in named]
 
@@ -60,7 +71,7 @@ class VeriCacheConnectorWorker:
         for spec in meta.saves:
             ids = torch.tensor(spec.block_ids, device=self._views[0][0].device)
             n = len(spec.prefix)
-            keys = [gather_tokens(k, ids, n).cpu() for k, _ in self._views]   # copies: blocks may be reused
+            keys = [gather_tokens(k, ids, n).cpu() for k, _ in self._views]  # copies: blocks may be reused
             values = [gather_tokens(v, ids, n).cpu() for _, v in self._views]
             self.client.submit(asyncio.to_thread(self._compress_and_save, spec, keys, values))
 
@@ -82,12 +93,21 @@ class VeriCacheConnectorWorker:
             self.handoff.post(spec.prefix, comp)
         layers = [{"k": k, "v": v} for k, v in zip(keys, values)]
         try:
-            res = self.client.call(self.client.store.put_prefix(spec.prefix, layers, {comp.spec: comp.to_payload()},
-                                                                overwrite=spec.overwrite),
-                                   timeout=max(SAVE_TIMEOUT_S, self.cfg.timeout_s))
-            logger.info("saved %s: %d tokens, %d %sfull chunks, %d compressed bytes in %.2fs", spec.req_id,
-                        len(spec.prefix), res.full_chunks_written, "rewritten " if spec.overwrite else "new ",
-                        sum(res.compressed_bytes.values()), time.perf_counter() - t0)
+            res = self.client.call(
+                self.client.store.put_prefix(
+                    spec.prefix, layers, {comp.spec: comp.to_payload()}, overwrite=spec.overwrite
+                ),
+                timeout=max(SAVE_TIMEOUT_S, self.cfg.timeout_s),
+            )
+            logger.info(
+                "saved %s: %d tokens, %d %sfull chunks, %d compressed bytes in %.2fs",
+                spec.req_id,
+                len(spec.prefix),
+                res.full_chunks_written,
+                "rewritten " if spec.overwrite else "new ",
+                sum(res.compressed_bytes.values()),
+                time.perf_counter() - t0,
+            )
         except Exception as e:  # the request is answered anyway; the next one recomputes
             logger.warning("save of %s failed (%s: %s)", spec.req_id, type(e).__name__, e)
 
@@ -107,14 +127,25 @@ class VeriCacheConnectorWorker:
             scatter_tokens(vv, ids, v[:, lo:n])
 
         try:
-            await stream_full_copy(self.client.store, spec.prefix, len(self._views), self.cfg.timeout_s, put,
-                                   shape=(self.num_kv_heads, n, self.head_dim))
-            logger.info("hit %s: %d tokens loaded (compressed copy after %s, full after %.2fs)", spec.req_id,
-                        n - spec.start, f"{when['compressed']:.2f}s" if "compressed" in when else "-",
-                        time.perf_counter() - t0)
+            await stream_full_copy(
+                self.client.store,
+                spec.prefix,
+                len(self._views),
+                self.cfg.timeout_s,
+                put,
+                shape=(self.num_kv_heads, n, self.head_dim),
+            )
+            logger.info(
+                "hit %s: %d tokens loaded (compressed copy after %s, full after %.2fs)",
+                spec.req_id,
+                n - spec.start,
+                f"{when['compressed']:.2f}s" if "compressed" in when else "-",
+                time.perf_counter() - t0,
+            )
         except BaseException as e:  # noqa: BLE001 - vLLM recomputes the blocks
-            logger.warning("load of %s failed (%s: %s): vLLM recomputes its %d blocks", spec.req_id,
-                           type(e).__name__, e, len(ids))
+            logger.warning(
+                "load of %s failed (%s: %s): vLLM recomputes its %d blocks", spec.req_id, type(e).__name__, e, len(ids)
+            )
             with self._lock:
                 self._failed_blocks.update(spec.block_ids[first:last])
         finally:
@@ -129,12 +160,15 @@ class VeriCacheConnectorWorker:
         if self.handoff is None:
             return
         try:
-            got = await asyncio.wait_for(self.client.store.get_compressed(spec.prefix, self.compressor.spec),
-                                         self.cfg.timeout_s)
+            got = await asyncio.wait_for(
+                self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
+            )
             if got is not None:
                 when["compressed"] = time.perf_counter() - t0
-                await asyncio.to_thread(self.handoff.post, spec.prefix, LayeredKV.from_payload(*got), spec.prompt,
-                                        loaded)
+                await asyncio.to_thread(
+                    self.handoff.post, spec.prefix, LayeredKV.from_payload(*got), spec.prompt, loaded
+                )
         except Exception as e:  # noqa: BLE001
-            logger.warning("compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id,
-                           type(e).__name__, e)
+            logger.warning(
+                "compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id, type(e).__name__, e
+            )
