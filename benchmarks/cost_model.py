@@ -269,7 +269,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default="results/cost_model")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--serving",
+        type=Path,
+        default=None,
+        help="results.json of serving.py: check the capacity model against that CPU run, then predict the H200 "
+        "(PCIe 5 and GH200 C2C links) with its measured acceptance (see capacity_model.py)",
+    )
     args = p.parse_args(argv)
+    if args.serving:
+        return serving_main(args, argv)
     local = LINKS[args.compressed_local].bytes_per_s if args.compressed_local else None
     drafts = load_measured(args.measured, args.ks) if args.measured else BUILTIN
     preds = [
@@ -301,6 +310,119 @@ def main(argv=None) -> int:
     print(json.dumps([asdict(x) for x in preds], indent=2) if args.json else text)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def serving_main(args, argv) -> int:
+    """The capacity model checked against a CPU serving run, then applied to the H200 (capacity_model.py)."""
+    from capacity_model import as_dict, fit_alpha, predict_serving, serving_table
+
+    run = json.loads(args.serving.read_text())
+    rows = [r for r in run["rows"] if r["sweep"] == "budget"]
+    a = run["args"]
+    ctx = sum(run["prompt_tokens"]) / len(run["prompt_tokens"])
+    cpu_model = Model("SmolLM2-135M fp32 (CPU)", 134.5e6, 30, 3, 64, bytes_per_param=4, kv_bytes_per_elem=4)
+    checks = []
+    for full in (r for r in rows if r["policy"] == "full"):
+        vc = next(
+            (r for r in rows if r["policy"] == "vericache" and r["budget_fraction"] == full["budget_fraction"]), None
+        )
+        if vc is None or not full["steps"]:
+            continue
+        # the CPU's effective bandwidth, from the full-KV run's own steps (its rows x context read per step)
+        step_f = full["decode_step_s"] / full["steps"]
+        rows_f = max(1, full["max_concurrent"])
+        bw = (cpu_model.weight_bytes + rows_f * ctx * cpu_model.kv_bytes_per_token) / step_f
+        hw = Hardware("CPU (calibrated)", bw, 1e18, 0)
+        k = max(1, round(vc["mean_accepted"]) + 1)
+        alpha = fit_alpha(max(k, 2), vc["mean_accepted"])
+        budget = full["budget_fraction"] * run["demand_bytes"]
+        pred = predict_serving(
+            hw,
+            cpu_model,
+            a["link_gbps"] * 1e9,
+            int(ctx),
+            budget,
+            compression_of(a["compressor"], 0.5),
+            alpha,
+            k_max=a["k_max"],
+            max_rows=len(run["prompt_tokens"]),  # the trace has no more requests than that
+        )
+        checks.append(
+            {
+                "budget_fraction": full["budget_fraction"],
+                "measured_speedup": vc["tokens_per_s"] / full["tokens_per_s"],
+                "predicted_speedup": pred.speedup,
+                "measured_full_rows": rows_f,
+                "predicted_full_rows": pred.full_rows,
+                "measured_vc_rows": vc["max_concurrent"],
+                "predicted_vc_rows": pred.vc_rows,
+                "alpha": alpha,
+                "cpu_bytes_per_s": bw,
+            }
+        )
+    alpha = statistics_mean([c["alpha"] for c in checks]) if checks else 0.8
+    comp = compression_of(a["compressor"], 1.0)
+    h200 = HARDWARE["H200"]
+    preds = [
+        predict_serving(
+            h200,
+            MODELS["llama3-8b"],
+            link,
+            t,
+            0.9 * h200.hbm_bytes - MODELS["llama3-8b"].weight_bytes,
+            comp,
+            alpha,
+            k_max=a["k_max"],
+        )
+        for link in (64e9, 450e9)
+        for t in (32768, 131072)
+    ]
+    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    lines = [
+        f"Capacity model (capacity_model.py) checked against {args.serving} (CPU, link emulated at "
+        f"{a['link_gbps']} GB/s). Command: `{cmd}`",
+        "",
+        "| budget | measured VC/full | predicted | rows full measured/predicted | rows VC measured/predicted | a |",
+        "|---:|---:|---:|---|---|---:|",
+    ]
+    for c in checks:
+        lines.append(
+            f"| {c['budget_fraction']:g} | {c['measured_speedup']:.2f} | {c['predicted_speedup']:.2f} | "
+            f"{c['measured_full_rows']}/{c['predicted_full_rows']} | {c['measured_vc_rows']}/"
+            f"{c['predicted_vc_rows']} | {c['alpha']:.2f} |"
+        )
+    lines += [
+        "",
+        f"H200 (141 GB, 90% for weights + KV), Llama-3-8B bf16, {a['compressor']} (c = {comp}), the CPU run's "
+        f"acceptance (a = {alpha:.2f}); PCIe 5 x16 = 64 GB/s, GH200 C2C = 450 GB/s:",
+        "",
+        serving_table(preds),
+    ]
+    text = "\n".join(lines)
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+    (out / "command.txt").write_text(cmd + "\n")
+    (out / "results.json").write_text(
+        json.dumps({"command": cmd, "checks": checks, "summary": [as_dict(p) for p in preds]}, indent=2)
+    )
+    print(json.dumps({"checks": checks, "h200": [as_dict(p) for p in preds]}, indent=2) if args.json else text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def compression_of(spec: str, draft_over_full: float) -> float:
+    """Resident bytes of the compressed KV / full bytes as the serving engine holds it: its draft pool keeps the
+    compressed KV decoded in float16, so token dropping keeps 1/ratio of the tokens and quantizers keep all of them
+    (their bits are not kept packed in the pool); times draft / full bytes per element (CPU: 2/4, GPU bf16: 2/2)."""
+    import re
+
+    m = re.search(r"(\d+)x$", spec) or re.search(r"ratio=(\d+(?:\.\d+)?)", spec)
+    return (1.0 / float(m.group(1)) if m else 1.0) * draft_over_full
+
+
+def statistics_mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 if __name__ == "__main__":

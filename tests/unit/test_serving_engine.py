@@ -1,0 +1,167 @@
+"""The serving engine on a tiny random-weight model: continuous batching under a device budget, every row
+identical to its own single-request full-KV greedy output whatever shares its batch, the budget never
+passed, one reload on the link at a time, failed reloads recomputed, sampling keeping the full-KV law."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from vericache_connector.engine import DecodeConfig
+from vericache_connector.engine.scheduler import ServingConfig
+from vericache_connector.engine.sequence import Request
+from vericache_connector.engine.serving import ServingEngine
+
+from tiny_model import tiny_engine
+
+LENGTHS = (300, 451, 517, 700, 900, 1200)
+NEW = (24, 40, 17, 33, 50, 29)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    eng = tiny_engine(num_layers=8)  # enough layers for a staging ring to be a part of them
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
+    refs = [
+        eng.generate_full([eng.prefill(p)], DecodeConfig(max_new_tokens=n, stop_at_eos=False))[0]
+        for p, n in zip(prompts, NEW)
+    ]
+    mc = eng.model.cfg
+    demand = sum((len(p) + n) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4 for p, n in zip(prompts, NEW))
+    return eng, prompts, refs, demand, {}
+
+
+def trace(prompts, spacing=0.02):
+    return [Request(f"r{i}", p, n, arrival_s=spacing * i, seed=i) for i, (p, n) in enumerate(zip(prompts, NEW))]
+
+
+def serve(tiny, **cfg):
+    eng, prompts, refs, demand, store = tiny
+    frac = cfg.pop("budget", 0.5)
+    cfg = ServingConfig(
+        budget_bytes=None if frac is None else int(frac * demand), compressor="snapkv-4x", k_max=16, **cfg
+    )
+    engine = ServingEngine(eng.model, cfg, store)
+    rep = engine.run(trace(prompts))
+    return rep, [rep.outputs()[f"r{i}"] for i in range(len(prompts))], refs
+
+
+@pytest.mark.parametrize("policy,link,budget", [("full", None, 0.5), ("vericache", None, 0.2), ("vericache", 4e6, 0.2)])
+def test_rows_match_their_single_request_full_kv_output(tiny, policy, link, budget):
+    rep, outs, refs = serve(tiny, policy=policy, link_bytes_per_s=link, budget=budget)
+    assert outs == refs
+    assert rep.reload_failures == 0
+    assert rep.peak_resident_bytes <= rep.budget_bytes  # the budget is never passed
+    # rows joined and left mid-run: some request was admitted after another had finished
+    first_finish = min(r.finished_s for r in rep.requests)
+    assert any(r.admitted_s > first_finish for r in rep.requests)
+    if policy == "vericache":
+        assert rep.verifications > 0 and rep.mean_accepted > 0.5
+        assert rep.link_max_concurrent == 1 and rep.reloaded_bytes > 0
+
+
+def test_lossy_drifts_and_vericache_holds_more_rows_in_the_same_budget(tiny):
+    lossy, outs, refs = serve(tiny, policy="lossy", budget=0.34)
+    assert outs != refs
+    full, _, _ = serve(tiny, policy="full", budget=0.34)
+    veri, outs, refs = serve(tiny, policy="vericache", budget=0.34)
+    assert outs == refs
+    conc = [max_concurrency(r) for r in (full, veri)]
+    assert conc[1] > conc[0], conc
+    assert max(full.peak_resident_bytes, veri.peak_resident_bytes) <= veri.budget_bytes
+
+
+def max_concurrency(rep) -> int:
+    ev = sorted([(r.admitted_s, 1) for r in rep.requests] + [(r.finished_s, -1) for r in rep.requests])
+    cur = best = 0
+    for _, d in ev:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def test_reloads_never_overlap_on_the_link(tiny, monkeypatch):
+    from vericache_connector.engine import host_tier
+
+    spans = []
+    orig = host_tier.Link._move
+
+    def move(self, r):
+        orig(self, r)
+        spans.append((r.started_s, time_now()))
+
+    monkeypatch.setattr(host_tier.Link, "_move", move)
+    rep, outs, refs = serve(tiny, policy="vericache", link_bytes_per_s=4e6)
+    assert outs == refs and len(spans) == rep.verifications
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two reloads on the link at once"
+
+
+def time_now():
+    import time
+
+    return time.perf_counter()
+
+
+def test_failed_reloads_are_recomputed_and_the_output_stays_exact(tiny, monkeypatch):
+    from vericache_connector.engine import host_tier
+
+    orig_init = host_tier.Link.__init__
+
+    def init(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        self.fail_next = 3
+
+    monkeypatch.setattr(host_tier.Link, "__init__", init)
+    rep, outs, refs = serve(tiny, policy="vericache", link_bytes_per_s=4e6)
+    assert rep.reload_failures == 3
+    assert outs == refs
+
+
+def test_budget_too_small_for_one_request_is_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="more than the whole budget"):
+        serve(tiny, policy="full", budget=0.01)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        ServingConfig(policy="fast")
+    with pytest.raises(ValueError, match="temperature"):
+        ServingConfig(temperature=float("nan"))
+
+
+def test_sampled_rows_keep_the_full_kv_distribution():
+    """Temperature 1, 600 requests of one prompt, drafting on a heavily compressed KV: the second token (the first
+    drafted and verified one) follows the full-KV law. Its marginal is sum_f p1(f) p2(. | f), with p1 the prefill's
+    next-token distribution and p2 the full-KV one after f, computed exactly for every f of the vocabulary."""
+    from vericache_connector.compressors import get_compressor
+
+    eng = tiny_engine(seed=3, num_layers=4)
+    with torch.no_grad():
+        eng.model.lm_head.weight.mul_(40.0)  # random weights give near-uniform laws: sharpen them, for power
+    prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    spec = "streamingllm:ratio=8,sinks=4"
+    reqs = [Request(f"s{i}", prompt, 2, seed=1000 + i) for i in range(600)]
+    cfg = ServingConfig(policy="vericache", compressor=spec, temperature=1.0, k_min=1, horizon=1, k_max=4, max_rows=64)
+    rep = ServingEngine(eng.model, cfg).run(reqs)
+    second = torch.tensor([o[1] for o in rep.outputs().values()])
+    pre = eng.prefill(prompt)
+    vocab = eng.model.cfg.vocab_size
+    first = torch.arange(vocab)[:, None]
+    pos = torch.full((vocab, 1), 200)
+    p1 = torch.softmax(pre.logits.double(), -1)
+    p2 = torch.softmax(eng.model(first, pos, eng.full_cache([pre] * vocab, 2))[0][:, -1].double(), -1)
+    comp = get_compressor(spec).compress(pre.prefix)
+    q2 = torch.softmax(eng.model(first, pos, eng.draft_cache([comp] * vocab, 2))[0][:, -1].double(), -1)
+    target, drafted = p1 @ p2, p1 @ q2
+    assert 0.5 * (target - drafted).abs().sum() > 0.05, "draft too close to the target: no power"
+    assert chi2(second, target) > 1e-3
+    assert chi2(second, drafted) < 1e-3, "the test cannot tell the draft law from the target law"
+
+
+def chi2(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.shape[0]).double()
+    expected = probs * len(samples)
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)

@@ -1,0 +1,126 @@
+"""What a serving run measured: per request and in total, with the time split that bounds throughput."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TimeSplit:
+    """Wall seconds of a run by what the engine was doing (they add up to the makespan)."""
+
+    prefill_s: float = 0.0  # prompts' forwards
+    decode_step_s: float = 0.0  # full / lossy steps
+    draft_step_s: float = 0.0  # VeriCache steps with drafting rows only
+    verify_step_s: float = 0.0  # VeriCache steps with at least one verifying row (drafters included)
+    link_wait_s: float = 0.0  # waiting for reloads (inside verify steps, or with nothing else to do)
+    idle_s: float = 0.0  # nothing admitted to run (waiting for arrivals)
+    steps: int = 0
+    verify_steps: int = 0
+
+    def add_step(self, kinds: set[str], dt: float, wait: float) -> None:
+        self.steps += 1
+        self.link_wait_s += wait
+        compute = dt - wait
+        if "verify" in kinds:
+            self.verify_steps += 1
+            self.verify_step_s += compute
+        elif "draft" in kinds:
+            self.draft_step_s += compute
+        else:
+            self.decode_step_s += compute
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_tokens: int
+    new_tokens: int
+    arrival_s: float
+    admitted_s: float | None
+    first_token_s: float | None
+    finished_s: float | None
+    accepted: list[int]
+    output: list[int] = field(repr=False)
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass
+class ServingReport:
+    policy: str
+    requests: list[RequestRecord]
+    makespan_s: float
+    output_tokens: int
+    tokens_per_s: float
+    decode_tokens_per_s: float  # output tokens / (makespan - prefill time)
+    mean_latency_s: float
+    p90_latency_s: float
+    mean_ttft_s: float
+    verifications: int
+    mean_accepted: float  # drafts accepted per verification
+    link_busy_s: float
+    link_utilization: float
+    link_max_concurrent: int
+    reloaded_bytes: int
+    reload_failures: int
+    peak_resident_bytes: int
+    budget_bytes: int | None
+    split: TimeSplit
+
+    @classmethod
+    def build(cls, cfg, seqs, makespan: float, split: TimeSplit, blocks, link, reload_failures: int) -> "ServingReport":
+        recs = [
+            RequestRecord(
+                s.request_id,
+                s.prompt_len,
+                len(s.output),
+                s.request.arrival_s,
+                s.admitted_s,
+                s.first_token_s,
+                s.finished_s,
+                list(s.accepted),
+                list(s.output),
+            )
+            for s in seqs
+        ]
+        lat = sorted(r.latency_s for r in recs)
+        acc = [n for r in recs for n in r.accepted]
+        tokens = sum(r.new_tokens for r in recs)
+        busy = link.busy_s if link is not None else 0.0
+        return cls(
+            policy=cfg.policy,
+            requests=recs,
+            makespan_s=makespan,
+            output_tokens=tokens,
+            tokens_per_s=tokens / makespan,
+            decode_tokens_per_s=tokens / max(1e-9, makespan - split.prefill_s),
+            mean_latency_s=statistics.fmean(lat),
+            p90_latency_s=lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+            mean_ttft_s=statistics.fmean(r.ttft_s for r in recs),
+            verifications=len(acc),
+            mean_accepted=statistics.fmean(acc) if acc else 0.0,
+            link_busy_s=busy,
+            link_utilization=busy / makespan,
+            link_max_concurrent=link.max_active if link is not None else 0,
+            reloaded_bytes=link.bytes_moved if link is not None else 0,
+            reload_failures=reload_failures,
+            peak_resident_bytes=blocks.peak,
+            budget_bytes=blocks.budget,
+            split=split,
+        )
+
+    def outputs(self) -> dict[str, list[int]]:
+        return {r.request_id: r.output for r in self.requests}
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("requests")
+        return d
