@@ -12,9 +12,10 @@ from .base import (
     open_backend,
     redact_url,
 )
+from .credentials import Mac, read_secret_file, redact_text, secret_from_env
 from .dual_store import DualCopyStore, PutResult
 from .keys import FULL, ChunkKey, KeySpace, chain_hashes, dtype_str, stored_prefix_len
-from .manifest import LayerEntry, Manifest, checksum
+from .manifest import LayerEntry, Manifest, UnauthenticatedObject, checksum
 from .serialization import deserialize, read_header, serialize
 from .throttle import ThrottledBackend, TokenBucket
 
@@ -26,6 +27,7 @@ __all__ = [
     "FULL",
     "KeySpace",
     "LayerEntry",
+    "Mac",
     "Manifest",
     "MissingObject",
     "PutResult",
@@ -34,13 +36,17 @@ __all__ = [
     "StoreUnavailable",
     "ThrottledBackend",
     "TokenBucket",
+    "UnauthenticatedObject",
     "chain_hashes",
     "checksum",
     "deserialize",
     "dtype_str",
     "open_backend",
     "read_header",
+    "read_secret_file",
+    "redact_text",
     "redact_url",
+    "secret_from_env",
     "serialize",
     "stored_prefix_len",
 ]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
+
+from .credentials import redact_url
 
 logger = logging.getLogger("vericache.store")
 
@@ -87,7 +90,7 @@ class StorageBackend(ABC):
         await self.close()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.url}>"
+        return f"<{type(self).__name__} {redact_url(self.url)}>"
 
 
 def check_range(start: int, end: int) -> None:
@@ -95,9 +98,29 @@ def check_range(start: int, end: int) -> None:
         raise ValueError(f"bad byte range [{start}, {end})")
 
 
+ENCODE_HINT = "a password holding / ? # @ : [ ] or % must be percent-encoded (urllib.parse.quote(password, safe=''))"
+
+
+def split_url(url: str):
+    """urlsplit(url), whose own errors would quote the URL (a password too): ValueError, redacted."""
+    try:
+        return urlsplit(url)
+    except ValueError:
+        raise ValueError(f"bad store URL {redact_url(url)!r}: it does not parse ({ENCODE_HINT})") from None
+
+
+def unknown_options(opts, url: str) -> ValueError:
+    """The error for options a backend does not take. Names that are not plain identifiers (pieces of
+    a URL that did not parse as meant, a password perhaps) are counted, not shown."""
+    names = sorted(str(k) for k in opts)
+    shown = [n for n in names if re.fullmatch(r"[\w.\-]{1,64}", n)]
+    more = f" (and {len(names) - len(shown)} more, not shown)" if len(shown) < len(names) else ""
+    return ValueError(f"unknown options {shown}{more} for store URL {redact_url(url)!r}")
+
+
 def query_options(url: str) -> dict[str, str]:
     """Last value of each query parameter of url."""
-    return {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
+    return {k: v[-1] for k, v in parse_qs(split_url(url).query).items()}
 
 
 def pop_float(opts: dict, name: str, default: float) -> float:
@@ -111,24 +134,16 @@ def pop_float(opts: dict, name: str, default: float) -> float:
     return value
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by ***, for logs (redis://:secret@host -> redis://:***@host)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
-
-
 def open_backend(url: str, **opts) -> StorageBackend:
     """Open the backend named by url's scheme.
 
     local://[name] (process memory), local:///dir (disk), redis://host:port/db,
     s3://bucket/prefix?endpoint_url=...&region=..., nixl://host:port.
-    Options (timeout_s, connect_timeout_s, ...) come from **opts or the query.
+    Options (timeout_s, connect_timeout_s, ...) come from **opts or the query. Errors name the URL
+    through redact_url: a password never appears in them.
     """
     if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"bad store URL {url!r}: expected scheme://...")
+        raise ValueError(f"bad store URL {redact_url(url)!r}: expected scheme://...")
     scheme = url.split("://", 1)[0].lower()
     if scheme == "local":
         from .local_connector import open_local
@@ -146,4 +161,6 @@ def open_backend(url: str, **opts) -> StorageBackend:
         from .nixl_connector import NixlBackend
 
         return NixlBackend(url, **opts)
-    raise ValueError(f"bad store URL {url!r}: unknown scheme {scheme!r} (expected local, redis, s3 or nixl)")
+    raise ValueError(
+        f"bad store URL {redact_url(url)!r}: unknown scheme {redact_url(scheme)!r} (expected local, redis, s3 or nixl)"
+    )

@@ -5,6 +5,17 @@ Reader path: ``get_compressed`` (small, whole prefix) to start drafting, while
 soon as each layer has arrived. Writer path: ``put_prefix`` writes payloads,
 then manifests (see manifest.py). Any fault raises StoreUnavailable,
 CorruptObject or MissingObject and is logged on "vericache.store".
+
+Integrity for a store shared with others (``mac_key``): every manifest carries a
+keyed BLAKE2b tag and every payload checksum is keyed, so a writer without the
+key cannot plant KV that a reader with the key accepts. With a key, an entry
+without a valid tag is a miss with a warning (lookup/has_compressed do not count
+it, get_compressed returns None, stream_full raises UnauthenticatedObject, a
+CorruptObject). A reader without a key finds entries written with one (lookup
+only checks presence then) but cannot load them: get_compressed returns None,
+stream_full raises UnauthenticatedObject.
+Payload reads are bounded by the manifest's size (a range read of size + 1
+bytes), so a planted huge object is never read whole.
 """
 
 from __future__ import annotations
@@ -16,8 +27,9 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 import torch
 
 from .base import CorruptObject, MissingObject, StorageBackend, StoreError, logger, open_backend
+from .credentials import MAC_ALGO, Mac
 from .keys import FULL, ChunkKey, KeySpace, check_spec
-from .manifest import LayerEntry, Manifest, checksum
+from .manifest import LayerEntry, Manifest, UnauthenticatedObject, checksum
 from .serialization import decode_layer, serialize
 from .throttle import ThrottledBackend
 
@@ -41,6 +53,10 @@ class DualCopyStore:
     dtype: the model's KV dtype (part of every key, with model_name).
     bandwidth_bytes_per_s: emulate a slow link for reads (token bucket).
     write_batch_bytes: full chunks are serialized and written in batches this big.
+    mac_key: a secret (>= 16 bytes; credentials.secret_from_env("VERICACHE_MAC_KEY") reads it from a
+      mounted file or the environment) that keys a BLAKE2b MAC over each manifest and payload; None
+      (the default) checks integrity with plain checksums, which catch corruption but not tampering.
+    key_hashing, cache_salt: see keys.KeySpace ("lmcache": share the store with an LMCache server).
     """
 
     def __init__(
@@ -56,10 +72,18 @@ class DualCopyStore:
         algo: str = "blake2b",
         prefetch_layers: int = 2,
         write_batch_bytes: int = 64 << 20,
+        mac_key: bytes | None = None,
+        key_hashing: str = "vericache",
+        cache_salt: str = "",
         **backend_opts,
     ):
-        self.keys = KeySpace(model_name, dtype, chunk_size, world_size, worker_id)
-        checksum(b"", algo)  # validates algo
+        self.keys = KeySpace(model_name, dtype, chunk_size, world_size, worker_id, key_hashing, cache_salt)
+        self._mac = Mac(mac_key) if mac_key is not None else None
+        if self._mac is not None:
+            if algo != "blake2b":
+                raise ValueError(f"algo={algo!r} cannot be combined with mac_key (payloads are keyed BLAKE2b)")
+            algo = MAC_ALGO
+        checksum(b"", algo, self._mac)  # validates algo
         self.algo = algo
         if prefetch_layers < 1:
             raise ValueError(f"prefetch_layers must be >= 1, got {prefetch_layers}")
@@ -68,6 +92,15 @@ class DualCopyStore:
         raw = url if isinstance(url, StorageBackend) else open_backend(url, **backend_opts)
         self.raw_backend = raw
         self.backend = ThrottledBackend(raw, bandwidth_bytes_per_s) if bandwidth_bytes_per_s else raw
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether entries are MAC-checked (a mac_key was given)."""
+        return self._mac is not None
+
+    def __repr__(self) -> str:
+        mac = ", mac" if self._mac is not None else ""
+        return f"<DualCopyStore {self.backend!r} {self.keys.model_name}/{self.keys.dtype_name}{mac}>"
 
     async def close(self) -> None:
         await self.backend.close()
@@ -141,7 +174,7 @@ class DualCopyStore:
             batch = todo[b : b + per_batch]
             encoded = await asyncio.to_thread(self._encode_chunks, batch, layers, token_dim)
             await self.backend.put_many({m.payload_key: data for m, data in encoded})
-            await self.backend.put_many({m.key: m.to_bytes() for m, _ in encoded})  # manifests last
+            await self.backend.put_many({m.key: m.to_bytes(self._mac) for m, _ in encoded})  # manifests last
             result.full_chunks_written += len(batch)
             result.full_bytes += sum(len(d) for _, d in encoded)
 
@@ -156,7 +189,7 @@ class DualCopyStore:
         self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers, start: int, end: int
     ) -> tuple[Manifest, bytes]:
         data, spans = serialize(meta, layers)
-        whole = checksum(data, self.algo)
+        whole = checksum(data, self.algo, self._mac)
         view = memoryview(data)
         m = Manifest(
             key=chunk.copy(spec),
@@ -166,7 +199,9 @@ class DualCopyStore:
             payload_key=chunk.blob(spec, whole[:16]),
             size=len(data),
             checksum=whole,
-            layers=[LayerEntry(s.offset, s.length, checksum(view[s.offset : s.end], self.algo)) for s in spans],
+            layers=[
+                LayerEntry(s.offset, s.length, checksum(view[s.offset : s.end], self.algo, self._mac)) for s in spans
+            ],
             start_token=start,
             end_token=end,
             algo=self.algo,
@@ -182,21 +217,34 @@ class DualCopyStore:
             old = await self.backend.get(m.key)
             if old is not None:
                 try:
-                    if Manifest.from_bytes(old, m.key).checksum == m.checksum:
+                    if Manifest.from_bytes(old, m.key, self._mac).checksum == m.checksum:
                         return len(data)  # identical copy already stored
                 except CorruptObject:
                     pass  # replace a broken manifest
         await self.backend.put(m.payload_key, data)
-        await self.backend.put(m.key, m.to_bytes())  # manifest last
+        await self.backend.put(m.key, m.to_bytes(self._mac))  # manifest last
         return len(data)
 
     # ---------------------------------------------------------------- reads
     async def lookup(self, token_ids: Sequence[int]) -> int:
-        """Number of leading tokens whose full copy is stored (manifests present)."""
+        """Number of leading tokens whose full copy is stored (manifests present; with a MAC key,
+        present and authentic: the manifests are read and checked)."""
         chunks = self.keys.chunks(token_ids)
         if not chunks:
             return 0
-        found = await self.backend.exists_many([c.copy(FULL) for c in chunks])
+        keys = [c.copy(FULL) for c in chunks]
+        if self._mac is None:
+            found = await self.backend.exists_many(keys)
+        else:
+            found = []
+            for c, key, raw in zip(chunks, keys, await self.backend.get_many(keys)):
+                try:
+                    found.append(raw is not None and self._check_full(c, key, raw) is not None)
+                except CorruptObject as e:
+                    logger.warning("full copy of tokens [%d, %d) is a miss: %s", c.start, c.end, e)
+                    found.append(False)
+                if not found[-1]:
+                    break
         hit = 0
         for c, ok in zip(chunks, found):
             if not ok:
@@ -205,35 +253,52 @@ class DualCopyStore:
         return hit
 
     async def has_compressed(self, token_ids: Sequence[int], spec: str) -> bool:
-        return await self.backend.exists(self.keys.prefix_key(token_ids).copy(check_spec(spec)))
+        key = self.keys.prefix_key(token_ids).copy(check_spec(spec))
+        if self._mac is None:
+            return await self.backend.exists(key)
+        try:
+            return await self._manifest(key) is not None
+        except CorruptObject:
+            return False  # logged by _manifest
+
+    def _parse(self, key: str, raw) -> Manifest:
+        """A manifest read from key: parsed, authenticated (with a MAC key) and of this model/dtype."""
+        m = Manifest.from_bytes(raw, key, self._mac)
+        if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
+            raise CorruptObject(
+                f"manifest {key!r} is for {m.model}/{m.dtype}, not {self.keys.model_name}/{self.keys.dtype_name}"
+            )
+        return m
 
     async def _manifest(self, key: str) -> Manifest | None:
         raw = await self.backend.get(key)
         if raw is None:
             return None
         try:
-            m = Manifest.from_bytes(raw, key)
-            if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
-                raise CorruptObject(
-                    f"manifest {key!r} is for {m.model}/{m.dtype}, not {self.keys.model_name}/{self.keys.dtype_name}"
-                )
-            return m
+            return self._parse(key, raw)
         except CorruptObject as e:
-            logger.warning("corrupt manifest: %s", e)
+            logger.warning(
+                "%s manifest: %s", "unauthenticated" if isinstance(e, UnauthenticatedObject) else "corrupt", e
+            )
             raise
 
     async def get_compressed(
         self, token_ids: Sequence[int], spec: str
     ) -> tuple[dict, list[dict[str, torch.Tensor]]] | None:
-        """(meta, layers) of compressed copy ``spec`` of exactly this prefix, or None."""
+        """(meta, layers) of compressed copy ``spec`` of exactly this prefix, or None (also for an
+        entry without a valid MAC when this store has a key)."""
         from .serialization import deserialize
 
         key = self.keys.prefix_key(token_ids).copy(check_spec(spec))
-        m = await self._manifest(key)
+        try:
+            m = await self._manifest(key)
+        except UnauthenticatedObject:
+            return None  # a miss, logged
         if m is None:
             return None
         try:
-            data = m.verify_payload(await self.backend.get(m.payload_key))
+            # never more than the manifest's size (+1 to see a grown object): a planted huge object is not read
+            data = m.verify_payload(await self.backend.get_range(m.payload_key, 0, m.size + 1), self._mac)
             return await asyncio.to_thread(deserialize, data)
         except StoreError as e:
             logger.warning("compressed copy %s unusable: %s", key, e)
@@ -256,6 +321,7 @@ class DualCopyStore:
             raise
         num_layers = len(manifests[0].layers)
         token_dim = manifests[0].meta.get("token_dim", 1)
+        counts = [c.end - c.start for c in chunks]
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.prefetch_layers)
         fetcher = asyncio.create_task(self._fetch_layers(manifests, num_layers, queue))
         try:
@@ -264,7 +330,7 @@ class DualCopyStore:
                 if isinstance(item, BaseException):
                     raise item
                 try:
-                    k, v = await asyncio.to_thread(_join_layer, item, token_dim)
+                    k, v = await asyncio.to_thread(_join_layer, item, token_dim, counts)
                 except CorruptObject as e:
                     logger.warning("full copy layer %d does not decode: %s", layer_idx, e)
                     raise
@@ -283,19 +349,29 @@ class DualCopyStore:
                     f"full copy of tokens [{c.start}, {c.end}) is not stored "
                     f"({self.keys.model_name}/{self.keys.dtype_name}, key {key!r})"
                 )
-            m = Manifest.from_bytes(raw, key)
-            if (m.model, m.dtype) != (self.keys.model_name, self.keys.dtype_name):
-                raise CorruptObject(f"manifest {key!r} is for {m.model}/{m.dtype}")
-            if (m.start_token, m.end_token) != (c.start, c.end):
-                raise CorruptObject(
-                    f"manifest {key!r} covers tokens [{m.start_token}, {m.end_token}), expected [{c.start}, {c.end})"
-                )
+            m = self._check_full(c, key, raw)
             if manifests and len(m.layers) != len(manifests[0].layers):
                 raise CorruptObject(
                     f"manifest {key!r} has {len(m.layers)} layers, chunk 0 has {len(manifests[0].layers)}"
                 )
+            if manifests and m.meta.get("token_dim") != manifests[0].meta.get("token_dim"):
+                raise CorruptObject(f"manifest {key!r}: token_dim differs from chunk 0's")
             manifests.append(m)
         return manifests
+
+    def _check_full(self, c: ChunkKey, key: str, raw) -> Manifest:
+        """The full-copy manifest of chunk c, checked (CorruptObject otherwise)."""
+        m = self._parse(key, raw)
+        if m.copy != FULL:
+            raise CorruptObject(f"manifest {key!r} is of copy {m.copy!r}, not {FULL!r}")
+        if (m.start_token, m.end_token) != (c.start, c.end):
+            raise CorruptObject(
+                f"manifest {key!r} covers tokens [{m.start_token}, {m.end_token}), expected [{c.start}, {c.end})"
+            )
+        token_dim = m.meta.get("token_dim", 1)
+        if not (type(token_dim) is int and -8 <= token_dim < 8):
+            raise CorruptObject(f"manifest {key!r}: bad token_dim {token_dim!r}")
+        return m
 
     async def _fetch_layers(self, manifests: list[Manifest], num_layers: int, queue: asyncio.Queue) -> None:
         try:
@@ -310,20 +386,35 @@ class DualCopyStore:
 
     async def _fetch_layer(self, m: Manifest, layer_idx: int) -> bytes:
         e = m.layers[layer_idx]
-        return m.verify_layer(layer_idx, await self.backend.get_range(m.payload_key, e.offset, e.end))
+        return m.verify_layer(layer_idx, await self.backend.get_range(m.payload_key, e.offset, e.end), self._mac)
 
     async def get_full(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """All layers of the full copy at once: [(k, v), ...]."""
         return [(k, v) async for _, k, v in self.stream_full(token_ids)]
 
 
-def _join_layer(blobs: list[bytes], token_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _join_layer(blobs: list[bytes], token_dim: int, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of the whole prefix from its per-chunk blobs; each chunk's k and v must hold exactly its
+    tokens on token_dim and agree with chunk 0 in dtype and every other dim."""
     parts = [decode_layer(b) for b in blobs]
-    try:
-        ks = [p["k"] for p in parts]
-        vs = [p["v"] for p in parts]
-    except KeyError as e:
-        raise CorruptObject(f"full-copy layer lacks tensor {e}") from None
-    if len(parts) == 1:
-        return ks[0], vs[0]
-    return torch.cat(ks, dim=token_dim), torch.cat(vs, dim=token_dim)
+    out = []
+    for name in ("k", "v"):
+        ts = []
+        for i, (p, n) in enumerate(zip(parts, counts)):
+            t = p.get(name)
+            if not isinstance(t, torch.Tensor):
+                raise CorruptObject(f"full-copy layer of chunk {i} lacks tensor {name!r}")
+            d = token_dim if token_dim >= 0 else t.dim() + token_dim
+            if not 0 <= d < t.dim() or t.shape[d] != n:
+                raise CorruptObject(
+                    f"full-copy chunk {i} {name!r} has shape {tuple(t.shape)}: expected {n} tokens on dim {token_dim}"
+                )
+            if ts and (t.dtype != ts[0].dtype or t.dim() != ts[0].dim() or _other_dims(t, d) != _other_dims(ts[0], d)):
+                raise CorruptObject(f"full-copy chunk {i} {name!r} is {t.dtype}{tuple(t.shape)}, chunk 0 differs")
+            ts.append(t)
+        out.append(ts[0] if len(ts) == 1 else torch.cat(ts, dim=token_dim))
+    return out[0], out[1]
+
+
+def _other_dims(t: torch.Tensor, d: int) -> tuple[int, ...]:
+    return tuple(t.shape[:d]) + tuple(t.shape[d + 1 :])

@@ -120,13 +120,20 @@ class ChunkKey:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """Keys of one model + KV dtype (+ TP layout). Other models/dtypes never collide."""
+    """Keys of one model + KV dtype (+ TP layout). Other models/dtypes never collide.
+
+    hashing: "vericache" (chain_hashes) or "lmcache" (the chunk hashes of LMCache's multiprocess server,
+      lmcache_keys.lmcache_chain_hashes), to share a store with an LMCache server (lmcache_l2_adapter.py).
+    cache_salt: LMCache's per-tenant salt: entries under one salt are invisible under any other ('' none).
+    """
 
     model_name: str
     dtype: torch.dtype | str
     chunk_size: int = DEFAULT_CHUNK_SIZE
     world_size: int = 1
     worker_id: int = 0
+    hashing: str = "vericache"
+    cache_salt: str = ""
     dtype_name: str = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -137,18 +144,26 @@ class KeySpace:
         if not 0 <= self.worker_id < max(1, self.world_size):
             raise ValueError(f"bad worker_id {self.worker_id} for world_size {self.world_size}")
         object.__setattr__(self, "dtype_name", dtype_str(self.dtype))
+        from .lmcache_keys import check_hashing, salt_tag
+
+        check_hashing(self.hashing)
+        object.__setattr__(self, "_tag", salt_tag(self.cache_salt))
 
     def base_key(self, chunk_hash: int) -> str:
-        return f"{self.model_name}@{self.world_size}@{self.worker_id}@{chunk_hash:x}@{self.dtype_name}"
+        return f"{self.model_name}@{self.world_size}@{self.worker_id}@{chunk_hash:x}@{self.dtype_name}{self._tag}"
 
     def chunks(self, token_ids: Sequence[int]) -> list[ChunkKey]:
         """Keys of every chunk of token_ids, in order; the last may be partial."""
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.reshape(-1).tolist()
         n = len(token_ids)
+        if self.hashing == "lmcache":
+            from .lmcache_keys import lmcache_chain_hashes as hashes
+        else:
+            hashes = chain_hashes
         return [
             ChunkKey(self.base_key(h), h, i * self.chunk_size, min(n, (i + 1) * self.chunk_size))
-            for i, h in enumerate(chain_hashes(token_ids, self.chunk_size))
+            for i, h in enumerate(hashes(token_ids, self.chunk_size))
         ]
 
     def prefix_key(self, token_ids: Sequence[int]) -> ChunkKey:

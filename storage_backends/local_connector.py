@@ -8,9 +8,9 @@ import os
 import threading
 import uuid
 from typing import Iterable, Mapping
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-from .base import StorageBackend, StoreUnavailable, check_range, query_options
+from .base import StorageBackend, StoreUnavailable, check_range, query_options, redact_url, split_url, unknown_options
 
 # Named in-process stores, shared by every backend opened on the same name.
 _MEMORY: dict[str, dict[str, bytes]] = {}
@@ -21,16 +21,16 @@ _THREAD_MIN_BYTES = 1 << 20
 
 
 def open_local(url: str, **opts) -> StorageBackend:
-    parts = urlsplit(url)
+    parts = split_url(url)
     opts = {**query_options(url), **opts}
     fsync = str(opts.pop("fsync", "0")).lower() in ("1", "true", "yes")
     for name in ("timeout_s", "connect_timeout_s"):  # nothing to wait for here
         opts.pop(name, None)
     if opts:
-        raise ValueError(f"unknown options {sorted(opts)} for store URL {url!r}")
+        raise unknown_options(opts, url)
     if parts.path not in ("", "/"):
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"bad store URL {url!r}: use local:///abs/dir for a disk store")
+            raise ValueError(f"bad store URL {redact_url(url)!r}: use local:///abs/dir for a disk store")
         return DiskBackend(parts.path, url=url, fsync=fsync)
     return MemoryBackend(parts.netloc or "default", url=url)
 

@@ -6,7 +6,15 @@ WRITE/READ transfers; an object becomes visible only on ``commit`` (after its
 bytes landed), and replaces an older value atomically. When the arena is full
 the least recently committed objects not being read are evicted.
 
-Run standalone: ``python -m storage_backends.nixl_server --port 5555 --capacity-mb 512``.
+Control channel: frames of u32 length + JSON, at most MAX_FRAME bytes (UNAUTH_FRAME before a client
+has authenticated); a longer frame closes the connection before its body is read. The server opens
+with a greeting holding a nonce. With a token (``token=``, or env VERICACHE_NIXL_TOKEN_FILE /
+VERICACHE_NIXL_TOKEN for the standalone server: never argv) the client's first request, ``hello``,
+must carry a keyed BLAKE2b tag over both nonces, and the server proves the token back; a connection
+that fails is closed, and no other request is served before it succeeds.
+
+Run standalone: ``VERICACHE_NIXL_TOKEN_FILE=/run/secrets/nixl-token python -m storage_backends.nixl_server
+--port 5555 --capacity-mb 512`` (or ``--no-token`` on a trusted network).
 """
 
 from __future__ import annotations
@@ -17,24 +25,49 @@ import base64
 import itertools
 import json
 import logging
+import os
 import struct
 import threading
 import uuid
 from collections import OrderedDict
 
+from .credentials import Mac, secret_from_env
+
 logger = logging.getLogger("vericache.store")
 _FRAME = struct.Struct("<I")
 _ALIGN = 64
+MAX_FRAME = 4 << 20  # bytes of one control message (an exists of ~10k keys fits)
+UNAUTH_FRAME = 4 << 10  # before the client has authenticated
+HELLO_TIMEOUT_S = 30.0
+PROTOCOL = "vericache-nixl/2"
+TOKEN_ENV = "VERICACHE_NIXL_TOKEN"  # or VERICACHE_NIXL_TOKEN_FILE: the path of a mounted Secret
+TOKEN_PERSON = b"vericache-nixl"
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict:
+class FrameError(ValueError):
+    """A control frame that is too long or not a JSON object."""
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict:
     (n,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    return json.loads(await reader.readexactly(n))
+    if n > limit:
+        raise FrameError(f"control frame of {n} bytes, limit {limit}")
+    msg = json.loads(await reader.readexactly(n))
+    if not isinstance(msg, dict):
+        raise FrameError(f"control frame is a JSON {type(msg).__name__}, not an object")
+    return msg
 
 
-def frame(msg: dict) -> bytes:
+def frame(msg: dict, limit: int = MAX_FRAME) -> bytes:
     body = json.dumps(msg, separators=(",", ":")).encode()
+    if len(body) > limit:
+        raise FrameError(f"control frame of {len(body)} bytes, limit {limit}")
     return _FRAME.pack(len(body)) + body
+
+
+def auth_tag(mac: Mac, side: str, server_nonce: str, client_nonce: str) -> str:
+    """What each side sends to prove it holds the token: bound to its role and both nonces."""
+    return mac.tag(side.encode(), str(server_nonce).encode(), str(client_nonce).encode())
 
 
 class Arena:
@@ -66,8 +99,19 @@ class Arena:
 
 
 class NixlStoreServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 256 << 20, backend: str = "UCX"):
+    """token: a shared secret (>= 16 bytes) every client must prove it holds; None serves anyone who
+    can connect (loopback / a trusted network only)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        capacity_bytes: int = 256 << 20,
+        backend: str = "UCX",
+        token: bytes | str | None = None,
+    ):
         self.host, self.port = host, port
+        self._mac = Mac(token, TOKEN_PERSON) if token is not None else None
         self.capacity = int(capacity_bytes)
         self.backend = backend
         self.objects: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (offset, size)
@@ -172,15 +216,32 @@ class NixlStoreServer:
             if off in self.doomed:
                 self.arena.release(off, self.doomed.pop(off))
 
+    def _hello(self, req: dict, conn: "_Conn") -> dict:
+        reply = {}
+        if self._mac is not None:
+            nonce = req.get("nonce")
+            if not isinstance(nonce, str) or not self._mac.verify(
+                req.get("auth"), b"client", conn.nonce.encode(), nonce.encode()
+            ):
+                conn.closing = True
+                return {"error": "authentication failed"}
+            reply["auth"] = auth_tag(self._mac, "server", conn.nonce, nonce)
+        conn.authed = True
+        return {
+            **reply,
+            "agent": self.name,
+            "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "base": self.buf.data_ptr(),
+            "capacity": self.capacity,
+        }
+
     def handle(self, req: dict, conn: "_Conn") -> dict:
         op = req.get("op")
         if op == "hello":
-            return {
-                "agent": self.name,
-                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "base": self.buf.data_ptr(),
-                "capacity": self.capacity,
-            }
+            return self._hello(req, conn)
+        if not conn.authed:
+            conn.closing = True
+            return {"error": "authentication required: send hello first"}
         if op == "alloc":
             size = int(req["size"])
             off = self._alloc(size) if 0 <= size <= self.capacity else None
@@ -213,8 +274,9 @@ class NixlStoreServer:
             conn.leases.add(lease)
             return {"found": True, "offset": hit[0], "size": hit[1], "lease": lease}
         if op == "release":
-            conn.leases.discard(req["lease"])
-            self._release_lease(req["lease"])
+            if req["lease"] in conn.leases:  # only this connection's own leases
+                conn.leases.discard(req["lease"])
+                self._release_lease(req["lease"])
             return {}
         if op == "exists":
             return {"found": [k in self.objects for k in req["keys"]]}
@@ -228,16 +290,23 @@ class NixlStoreServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn()
         try:
-            while True:
-                req = await read_frame(reader)
+            writer.write(frame({"protocol": PROTOCOL, "nonce": conn.nonce, "auth": self._mac is not None}))
+            await writer.drain()
+            while not conn.closing:
+                if conn.authed:
+                    req = await read_frame(reader, MAX_FRAME)
+                else:
+                    req = await asyncio.wait_for(read_frame(reader, UNAUTH_FRAME), HELLO_TIMEOUT_S)
                 try:
                     resp = self.handle(req, conn)
                 except (KeyError, TypeError, ValueError) as e:
                     resp = {"error": f"bad request: {type(e).__name__}: {e}"}
                 writer.write(frame(resp))
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, asyncio.TimeoutError):
             pass
+        except ValueError as e:  # FrameError, JSON that does not parse: drop the client, keep serving
+            logger.warning("nixl store: closing a connection: %s: %s", type(e).__name__, e)
         finally:  # a client that went away keeps nothing pinned or half-written
             for lease in conn.leases:
                 self._release_lease(lease)
@@ -250,6 +319,9 @@ class _Conn:
     def __init__(self):
         self.leases: set[int] = set()
         self.allocs: dict[int, int] = {}
+        self.nonce = os.urandom(16).hex()
+        self.authed = False
+        self.closing = False
 
 
 def main() -> None:
@@ -258,9 +330,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--capacity-mb", type=int, default=256)
     ap.add_argument("--backend", default="UCX")
+    ap.add_argument(
+        "--no-token", action="store_true", help=f"serve without {TOKEN_ENV}(_FILE) (a trusted network only)"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
-    server = NixlStoreServer(args.host, args.port, args.capacity_mb << 20, args.backend).start()
+    token = secret_from_env(TOKEN_ENV, what="NIXL token")
+    if token is None and not args.no_token:
+        ap.error(f"set {TOKEN_ENV}_FILE (a mounted secret file) or {TOKEN_ENV}, or pass --no-token")
+    server = NixlStoreServer(args.host, args.port, args.capacity_mb << 20, args.backend, token=token).start()
     print(server.url, flush=True)
     try:
         threading.Event().wait()

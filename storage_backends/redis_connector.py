@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from typing import Iterable, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlunsplit
 
 from .base import (
+    ENCODE_HINT,
     BackendOptions,
     StorageBackend,
     StoreError,
@@ -15,7 +16,10 @@ from .base import (
     logger,
     query_options,
     redact_url,
+    split_url,
+    unknown_options,
 )
+from .credentials import redact_text
 
 
 class RedisBackend(StorageBackend):
@@ -26,20 +30,24 @@ class RedisBackend(StorageBackend):
     """
 
     def __init__(self, url: str, **opts):
-        parts = urlsplit(url)
-        if not parts.hostname:
-            raise ValueError(f"bad store URL {url!r}: expected redis://host:port/db")
+        shown = redact_url(url)  # for messages and logs; the client gets the real one
+        parts = split_url(url)
         try:
-            _ = parts.port
+            port_ok = parts.port is None or parts.port >= 0
         except ValueError:
-            raise ValueError(f"bad store URL {url!r}: bad port") from None
+            port_ok = False
+        if not parts.hostname or not port_ok or "@" in parts.path + parts.fragment:
+            raise ValueError(
+                f"bad store URL {shown!r}: expected redis://[[user]:password@]host:port/db ({ENCODE_HINT})"
+            )
         opts = {**query_options(url), **opts}
         self.options = BackendOptions.pop_from(opts)
         self.prefix = str(opts.pop("prefix", ""))
         self.max_connections = int(opts.pop("max_connections", 32))
         if opts:
-            raise ValueError(f"unknown options {sorted(opts)} for store URL {url!r}")
-        self.url = redact_url(url)  # for messages and logs; the client gets the real one
+            raise unknown_options(opts, url)
+        self.url = shown
+        self._secret_url = url
         self._client_url = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
         self._client = None
 
@@ -67,11 +75,13 @@ class RedisBackend(StorageBackend):
         try:
             return await asyncio.wait_for(make_coro(client), self.options.timeout_s * 2)
         except (RConnError, RTimeout, OSError, asyncio.TimeoutError, EOFError) as e:
-            logger.warning("redis %s failed on %s: %s: %s", what, self.url, type(e).__name__, e)
-            raise StoreUnavailable(f"{self.url}: {what} failed: {type(e).__name__}: {e}") from e
+            msg = f"{self.url}: {what} failed: {type(e).__name__}: {redact_text(e, self._secret_url)}"
+            logger.warning("redis %s", msg)
+            raise StoreUnavailable(msg) from e
         except RedisError as e:  # OOM, READONLY, other server replies: still a store error
-            logger.warning("redis %s refused on %s: %s: %s", what, self.url, type(e).__name__, e)
-            raise StoreError(f"{self.url}: {what} refused: {type(e).__name__}: {e}") from e
+            msg = f"{self.url}: {what} refused: {type(e).__name__}: {redact_text(e, self._secret_url)}"
+            logger.warning("redis %s", msg)
+            raise StoreError(msg) from e
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -141,4 +151,4 @@ class RedisBackend(StorageBackend):
             try:
                 await asyncio.wait_for(client.aclose(), self.options.timeout_s)
             except Exception as e:  # closing a dead connection must not raise
-                logger.debug("redis close on %s: %s", self.url, e)
+                logger.debug("redis close on %s: %s", self.url, redact_text(e, self._secret_url))

@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import threading
 from typing import Iterable, Mapping
-from urllib.parse import urlsplit
 
 from .base import (
     BackendOptions,
+    CorruptObject,
     StorageBackend,
     StoreUnavailable,
     check_range,
     logger,
     query_options,
+    redact_url,
+    split_url,
+    unknown_options,
 )
+from .credentials import redact_text
 
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 
@@ -24,14 +28,19 @@ class S3Backend(StorageBackend):
 
     Options (kwargs or URL query): endpoint_url, region, timeout_s,
     connect_timeout_s, max_attempts (1 = no retries), max_concurrency,
-    create_bucket (default 1). Credentials come from the usual AWS environment
-    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, profiles, ...).
+    create_bucket (default 1), max_object_bytes (default 1 GiB: a whole-object GET of anything
+    bigger fails with CorruptObject before its body is read; range reads are bounded by their range).
+    Credentials come from the usual AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, profiles,
+    ...), never from the URL.
     """
 
     def __init__(self, url: str, **opts):
-        parts = urlsplit(url)
+        shown = redact_url(url)
+        parts = split_url(url)
         if not parts.netloc:
-            raise ValueError(f"bad store URL {url!r}: expected s3://bucket/prefix")
+            raise ValueError(f"bad store URL {shown!r}: expected s3://bucket/prefix")
+        if "@" in parts.netloc:
+            raise ValueError(f"bad store URL {shown!r}: credentials come from the AWS environment, not the URL")
         opts = {**query_options(url), **opts}
         self.options = BackendOptions.pop_from(opts)
         self.bucket = parts.netloc
@@ -41,9 +50,11 @@ class S3Backend(StorageBackend):
         self.max_attempts = int(opts.pop("max_attempts", 1))
         self.max_concurrency = int(opts.pop("max_concurrency", 8))
         self.create_bucket = str(opts.pop("create_bucket", "1")).lower() in ("1", "true", "yes")
+        self.max_object_bytes = int(opts.pop("max_object_bytes", 1 << 30))
         if opts:
-            raise ValueError(f"unknown options {sorted(opts)} for store URL {url!r}")
-        self.url = url
+            raise unknown_options(opts, url)
+        self.url = shown
+        self._secret_url = url
         self._client = None
         self._lock = threading.Lock()
         self._bucket_ready = False
@@ -103,10 +114,12 @@ class S3Backend(StorageBackend):
 
         s3 = self._s3()
         kwargs = {"Bucket": self.bucket, "Key": self._key(key)}
+        limit = self.max_object_bytes
         if start is not None:
             if end <= start:  # empty range: only existence matters
                 return b"" if self._exists(key) else None
             kwargs["Range"] = f"bytes={start}-{end - 1}"
+            limit = end - start
         try:
             resp = s3.get_object(**kwargs)
         except ClientError as e:
@@ -117,11 +130,15 @@ class S3Backend(StorageBackend):
                 return b""
             raise
         body = resp["Body"]
+        expected = resp.get("ContentLength")
         try:
-            data = body.read()
+            if expected is not None and expected > limit:  # checked before a byte of the body is read
+                raise CorruptObject(f"{self.url}: object {key!r} is {expected} bytes, more than the {limit} expected")
+            data = body.read(None if expected is not None else limit + 1)
         finally:
             body.close()
-        expected = resp.get("ContentLength")
+        if len(data) > limit:
+            raise CorruptObject(f"{self.url}: object {key!r} is over {limit} bytes")
         if expected is not None and len(data) != expected:
             raise ConnectionError(f"short read: {len(data)} of {expected} bytes")
         return data
@@ -151,12 +168,15 @@ class S3Backend(StorageBackend):
             try:
                 return await asyncio.wait_for(asyncio.to_thread(fn, *args), limit)
             except (BotoCoreError, ClientError, OSError, asyncio.TimeoutError, ConnectionError) as e:
-                msg = f"{self.url}: {what} {key!r} failed: {type(e).__name__}: {e}"
+                msg = f"{self.url}: {what} {key!r} failed: {type(e).__name__}: {redact_text(e, self._secret_url)}"
                 logger.warning("s3 %s", msg)
                 raise StoreUnavailable(msg) from e
+            except CorruptObject as e:
+                logger.warning("s3 %s", e)
+                raise
             except Exception as e:  # urllib3 errors surfacing from a dropped body read
                 if type(e).__module__.startswith(("urllib3", "http.client")):
-                    msg = f"{self.url}: {what} {key!r} failed: {type(e).__name__}: {e}"
+                    msg = f"{self.url}: {what} {key!r} failed: {type(e).__name__}: {redact_text(e, self._secret_url)}"
                     logger.warning("s3 %s", msg)
                     raise StoreUnavailable(msg) from e
                 raise

@@ -95,16 +95,23 @@ def read_header(data: bytes) -> tuple[dict, list[LayerSpan]]:
         raise CorruptObject(f"payload header truncated ({len(data)} < {_PREFIX.size + hlen})")
     try:
         header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + hlen]))
+        if not isinstance(header, dict) or header.get("v") != FORMAT_VERSION or not isinstance(header["meta"], dict):
+            raise ValueError("not a layered payload header of this version")
         start = _PREFIX.size + hlen
-        spans = [LayerSpan(start + int(o), int(n)) for o, n in header["layers"]]
+        spans = []
+        for o, n in header["layers"]:
+            if not (type(o) is int and type(n) is int and o >= 0 and n >= 0):
+                raise ValueError(f"bad layer span ({o!r}, {n!r})")
+            spans.append(LayerSpan(start + o, n))
         return header["meta"], spans
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptObject(f"payload header does not parse: {e}") from e
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CorruptObject(f"payload header does not parse: {type(e).__name__}: {e}"[:500]) from None
 
 
 def deserialize(data: bytes) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     meta, spans = read_header(data)
-    if spans and spans[-1].end > len(data):
-        raise CorruptObject(f"payload truncated: {len(data)} bytes, layers need {spans[-1].end}")
+    need = max((s.end for s in spans), default=0)
+    if need > len(data):
+        raise CorruptObject(f"payload truncated: {len(data)} bytes, layers need {need}")
     view = memoryview(data)
     return meta, [decode_layer(view[s.offset : s.end]) for s in spans]

@@ -241,6 +241,108 @@ def test_redact_url_hides_passwords_only():
     from storage_backends import redact_url
 
     assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
-    assert redact_url("rediss://app:s3cret@h:1/2?prefix=a") == "rediss://app:***@h:1/2?prefix=a"
+    assert redact_url("rediss://app:s3cret@h:1/2?prefix=a") == "rediss://***@h:1/2?prefix=a"  # user name too
     for url in ("redis://h:6379/0", "local:///tmp/kv", "s3://b/p?endpoint_url=http://127.0.0.1:9000"):
         assert redact_url(url) == url
+
+
+# ---------------------------------------------------------------- crafted manifests, MAC
+def craft(m: Manifest, **fields) -> bytes:
+    """m's bytes with fields replaced and a VALID self-checksum: what a writer without a MAC key can do."""
+    import hashlib
+    import json
+
+    body = json.loads(m.to_bytes()[20:])
+    body.update(fields)
+    raw = json.dumps(body).encode()
+    return b"VCMF" + hashlib.blake2b(raw, digest_size=16).digest() + raw
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"layers": [{"offset": -4, "length": 2, "checksum": "x"}]},
+        {"layers": [{"offset": 0, "length": 99, "checksum": "x"}]},  # past the payload's size
+        {"layers": []},
+        {"layers": "ab"},
+        {"size": True},
+        {"size": "4"},
+        {"start_token": 256, "end_token": 0},
+        {"end_token": 2.5},
+        {"meta": [1, 2]},
+        {"checksum": 7},
+        {"algo": "md5"},
+        {"model": None},
+        {"unknown_field": 1},
+        {"kind": "other"},
+    ],
+)
+def test_crafted_manifest_fields_are_corrupt_objects(fields):
+    with pytest.raises(CorruptObject):
+        Manifest.from_bytes(craft(make_manifest(), **fields))
+
+
+def test_manifest_mac_both_ways():
+    from storage_backends import Mac, UnauthenticatedObject
+
+    mac = Mac(b"k" * 32)
+    keyed = make_manifest(algo="blake2b-mac", checksum=checksum(b"abcd", "blake2b-mac", mac))
+    keyed.layers = [
+        LayerEntry(0, 2, checksum(b"ab", "blake2b-mac", mac)),
+        LayerEntry(2, 2, checksum(b"cd", "blake2b-mac", mac)),
+    ]
+    raw = keyed.to_bytes(mac)
+    m = Manifest.from_bytes(raw, keyed.key, mac)
+    assert m.verify_payload(b"abcd", mac) == b"abcd" and m.verify_layer(1, b"cd", mac) == b"cd"
+    with pytest.raises(CorruptObject, match="checksum"):
+        m.verify_payload(b"abce", mac)
+    with pytest.raises(UnauthenticatedObject):  # another key
+        Manifest.from_bytes(raw, keyed.key, Mac(b"j" * 32))
+    with pytest.raises(UnauthenticatedObject):  # a reader without the key
+        Manifest.from_bytes(raw, keyed.key)
+    with pytest.raises(UnauthenticatedObject):  # a field changed and the self-checksum redone
+        Manifest.from_bytes(craft(m, end_token=512), keyed.key, mac)
+    with pytest.raises(UnauthenticatedObject):  # an entry written without a key, read with one
+        Manifest.from_bytes(make_manifest().to_bytes(), None, mac)
+    with pytest.raises(UnauthenticatedObject):  # plain checksums recomputed over keyed ones
+        Manifest.from_bytes(craft(m, algo="blake2b", mac=""), keyed.key, mac)
+    with pytest.raises(CorruptObject):
+        m.verify_layer(5, b"cd", mac)
+
+
+def test_crafted_payload_headers_are_corrupt_objects():
+    import json
+    import struct
+
+    data, _ = serialize({"a": 1}, [{"x": torch.arange(4.0)}])
+    hlen = struct.unpack_from("<I", data, 4)[0]
+    header = json.loads(data[8 : 8 + hlen])
+    for change in ({"meta": [1]}, {"layers": [[-5, 10]]}, {"layers": [["0", 1]]}, {"v": 9}, {"layers": [[0, 10**9]]}):
+        body = json.dumps({**header, **change}).encode()
+        crafted = data[:4] + struct.pack("<I", len(body)) + body + data[8 + hlen :]
+        with pytest.raises(CorruptObject):
+            deserialize(crafted)
+    with pytest.raises(CorruptObject):
+        read_header(data[:4] + struct.pack("<I", 1 << 30) + data[8:])
+
+
+def test_model_identity_separates_checkpoints_and_not_dtype_spellings(tmp_path):
+    import json
+
+    from storage_backends.identity import dir_model_id, model_fingerprint
+
+    dirs = []
+    for run_name, hidden in (("runA", 1), ("runB", 2)):
+        d = tmp_path / run_name / "checkpoint"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"hidden": hidden}))
+        dirs.append(d)
+    a, b = (dir_model_id(d, torch.float32) for d in dirs)
+    assert a != b and a.split(".")[0] == b.split(".")[0] == "checkpoint"
+    assert {model_fingerprint(dirs[0], s) for s in (torch.float32, "float32", "float", "torch.float32")} == {
+        a.split(".")[1]
+    }
+    assert model_fingerprint(dirs[0], "float16") != a.split(".")[1]
+    assert dir_model_id(dirs[0], "float", name="smol/v1") == f"smol-v1.{a.split('.')[1]}"
+    with pytest.raises(ValueError, match="dtype"):
+        model_fingerprint(dirs[0], "float33")
