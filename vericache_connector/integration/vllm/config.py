@@ -8,7 +8,8 @@
 Every key may be left out; the store URL and the compressor then come from the environment
 (VERICACHE_STORE_URL, VERICACHE_COMPRESSOR: a Kubernetes Secret keeps credentials out of the pod's
 arguments), else the defaults below. The result is a RemoteCacheConfig, validated the same way as for
-the engine's own remote prefix cache.
+the engine's own remote prefix cache. Errors never show a store password: URLs are shown redacted,
+and JSON text that does not parse is not echoed (the error gives the position).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ KEYS = {  # extra-config key -> (RemoteCacheConfig field, type)
     "timeout_s": ("timeout_s", float),
     "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", float),
     "model_name": ("model_name", str),
+    "mac_key_file": ("mac_key_file", str),
+    "key_hashing": ("key_hashing", str),
+    "cache_salt": ("cache_salt", str),
 }
 
 
@@ -45,7 +49,7 @@ def load_connector_config(
         try:
             extra = json.loads(extra) if extra.strip() else {}
         except json.JSONDecodeError as e:
-            raise ValueError(f"kv_connector_extra_config is not JSON: {extra!r} ({e})") from None
+            raise ValueError(f"kv_connector_extra_config is not JSON ({e})") from None
     extra = dict(extra or {})
     if not all(isinstance(k, str) for k in extra):
         raise ValueError(f"kv_connector_extra_config keys must be strings, got {list(extra)!r}")
@@ -65,7 +69,7 @@ def load_connector_config(
         if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}")
         if kind is str and not isinstance(value, str):
-            raise ValueError(f"kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
+            raise ValueError(f"kv_connector_extra_config[{key!r}] must be a string, got a {type(value).__name__}")
         fields[name] = kind(value)
     cfg = RemoteCacheConfig(**fields)
     from ...compressors import get_compressor
@@ -80,9 +84,9 @@ def load_kv_transfer_config(text: str, env: Mapping[str, str] | None = None) -> 
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--kv-transfer-config is not JSON: {text!r} ({e})") from None
+        raise ValueError(f"--kv-transfer-config is not JSON ({e})") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}")
+        raise ValueError(f"--kv-transfer-config must be a JSON object, got a JSON {type(cfg).__name__}")
     connectors = (
         [cfg] + [c for c in cfg.get("kv_connector_extra_config", {}).get("connectors", []) if isinstance(c, dict)]
         if cfg.get("kv_connector") == "MultiConnector"
@@ -90,7 +94,9 @@ def load_kv_transfer_config(text: str, env: Mapping[str, str] | None = None) -> 
     )
     ours = [c for c in connectors if c.get("kv_connector") == "VeriCacheConnector"]
     if not ours:
-        raise ValueError(f"--kv-transfer-config does not use VeriCacheConnector: {text!r}")
+        raise ValueError(
+            f"--kv-transfer-config does not use VeriCacheConnector (kv_connector is {cfg.get('kv_connector')!r})"
+        )
     mine = ours[0]
     if mine.get("kv_connector_module_path") != CONNECTOR_MODULE:
         raise ValueError(

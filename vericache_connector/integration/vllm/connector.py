@@ -17,7 +17,7 @@ recomputes those blocks: a store fault never fails a request, and never changes 
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from storage_backends import redact_url
 
 from ...compressors import get_compressor
+from ...engine.model_loader import config_identity, model_identity
 from ...remote.store_client import StoreClient
 from .config import PROPOSER_CLASS, load_connector_config
 from .handoff import DraftHandoff
@@ -38,7 +39,35 @@ logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its li
 
 
 def model_name_of(vllm_config, configured: str | None) -> str:
-    return configured or os.path.basename(os.path.normpath(str(vllm_config.model_config.model)))
+    """How store keys and manifests name the served model: `configured` (kv_connector_extra_config's
+    model_name, which must then identify the weights), else the same identity the engine gives the
+    checkpoint ('name.fingerprint' of config, weights, tokenizer and dtype) for the folder vLLM loads:
+    the local directory, or the hub snapshot already on this machine. Failing both: the hub name with a
+    fingerprint of vLLM's config dict, the revision and the dtype."""
+    if configured:
+        return configured
+    mc = vllm_config.model_config
+    model, revision = str(mc.model), getattr(mc, "revision", None)
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return model_identity(path, mc.dtype)
+    snapshot = _hub_snapshot(model, revision)
+    if snapshot is not None:
+        return model_identity(snapshot, mc.dtype, name=model)
+    hf = getattr(mc, "hf_config", None)
+    config = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf or {})
+    return config_identity(model, config, revision, mc.dtype)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The local snapshot folder of a hub model, if this machine has it (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a hub name, not cached, no huggingface_hub
+        return None
+    return path if (path / "config.json").is_file() else None
 
 
 def runs_our_proposer(vllm_config) -> bool:

@@ -5,8 +5,9 @@ SAVE (wait_for_save): the whole chunks of a computed prompt are copied out of it
 on the store loop: the full copy per chunk and one compressed copy of the whole stored prefix
 (payloads first, manifests last). LOAD (start_load_kv): compressed copy first (handed to the proposer,
 which drafts at once), while the full copy streams layer by layer into the request's blocks
-(remote.full_copy, the same loop the engine's prefix cache uses). A failed load reports its blocks
-through get_block_ids_with_load_errors and vLLM recomputes them.
+(remote.full_copy, the same loop the engine's prefix cache uses). A compressed copy that does not fit
+the model or its own meta (Compressor.validate) is not handed over: no drafts, the output is vLLM's
+anyway. A failed load reports its blocks through get_block_ids_with_load_errors and vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -164,10 +165,10 @@ class VeriCacheConnectorWorker:
                 self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
             )
             if got is not None:
+                comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
+                self.compressor.validate(comp, len(spec.prefix), len(self._views), self.num_kv_heads, self.head_dim)
                 when["compressed"] = time.perf_counter() - t0
-                await asyncio.to_thread(
-                    self.handoff.post, spec.prefix, LayeredKV.from_payload(*got), spec.prompt, loaded
-                )
+                await asyncio.to_thread(self.handoff.post, spec.prefix, comp, spec.prompt, loaded)
         except Exception as e:  # noqa: BLE001
             logger.warning(
                 "compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id, type(e).__name__, e
