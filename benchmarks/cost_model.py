@@ -332,7 +332,12 @@ def serving_main(args, argv) -> int:
         step_f = full["decode_step_s"] / full["steps"]
         rows_f = max(1, full["max_concurrent"])
         bw = (cpu_model.weight_bytes + rows_f * ctx * cpu_model.kv_bytes_per_token) / step_f
-        hw = Hardware("CPU (calibrated)", bw, 1e18, 0)
+        # and its compute rate, from VeriCache's drafting steps (one token per resident row): on a CPU thread a
+        # forward's cost grows with its tokens, which a bandwidth-only roofline would miss
+        draft_steps = vc["steps"] - vc["verify_steps"]
+        rows_v = max(1, vc["max_concurrent"])
+        flops = 2 * cpu_model.params * rows_v / (vc["draft_step_s"] / draft_steps) if draft_steps else 1e18
+        hw = Hardware("CPU (calibrated)", bw, flops, 0)
         k = max(1, round(vc["mean_accepted"]) + 1)
         alpha = fit_alpha(max(k, 2), vc["mean_accepted"])
         budget = full["budget_fraction"] * run["demand_bytes"]
@@ -358,6 +363,7 @@ def serving_main(args, argv) -> int:
                 "predicted_vc_rows": pred.vc_rows,
                 "alpha": alpha,
                 "cpu_bytes_per_s": bw,
+                "cpu_flops": flops,
             }
         )
     alpha = statistics_mean([c["alpha"] for c in checks]) if checks else 0.8

@@ -219,6 +219,7 @@ def main(argv=None) -> int:
         + [("rate", args.rate_budget, r, None) for r in args.rates]
         + [("link", args.rate_budget, None, g) for g in args.links]
     )
+    context = dict(demand=demand, prompts=prompts, prefill_s=prefill_s, cmd=cmd, threads=torch.get_num_threads())
     for kind, frac, rate, link in grid:
         reqs = trace(prompts, args.new, rate, args.seed)
         for policy in args.policies:
@@ -229,7 +230,20 @@ def main(argv=None) -> int:
             row.update(sweep=kind, budget_fraction=frac, rate=rate)
             rows.append(row)
             print(fmt_row(row), file=sys.stderr)
-    for row in rows:  # the full-KV run of the same trace and budget (link rows: the budget sweep's)
+            write(out, rows, args, context, complete=False)  # after every row: a crash keeps what was measured
+    doc = write(out, rows, args, context, complete=True)
+    plot(rows, out, args)
+    print(table(rows, args, demand, prefill_s, cmd))
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    print(f"results in {out}", file=sys.stderr)
+    return 0 if all(r["identical"] for r in rows if r["policy"] != "lossy") else 1
+
+
+def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
+    """results.json and table.md of the rows so far; ratio_vs_full against the full-KV run of the same trace and
+    budget (link rows: the budget sweep's)."""
+    for row in rows:
         sweep = "budget" if row["sweep"] == "link" else row["sweep"]
         base = next(
             (
@@ -257,25 +271,21 @@ def main(argv=None) -> int:
     ]
     doc = {
         "summary": summary,
+        "complete": complete,
         "rows": rows,
-        "demand_bytes": demand,
-        "prompt_tokens": [len(p) for p in prompts],
-        "prefill_s": prefill_s,
-        "mean_prefill_s": statistics.fmean(prefill_s),
+        "demand_bytes": ctx["demand"],
+        "prompt_tokens": [len(p) for p in ctx["prompts"]],
+        "prefill_s": ctx["prefill_s"],
+        "mean_prefill_s": statistics.fmean(ctx["prefill_s"]),
         "args": vars(args),
-        "threads": torch.get_num_threads(),
-        "command": cmd,
+        "threads": ctx["threads"],
+        "command": ctx["cmd"],
         "proxy": "CPU: device budget = byte cap on resident caches; host link emulated at "
         f"{args.link_gbps} GB/s (real copies, paced); compute real; prefills computed once, replayed",
     }
     (out / "results.json").write_text(json.dumps(doc, indent=2))
-    (out / "table.md").write_text(table(rows, args, demand, prefill_s, cmd))
-    plot(rows, out, args)
-    print(table(rows, args, demand, prefill_s, cmd))
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    print(f"results in {out}", file=sys.stderr)
-    return 0 if all(r["identical"] for r in rows if r["policy"] != "lossy") else 1
+    (out / "table.md").write_text(table(rows, args, ctx["demand"], ctx["prefill_s"], ctx["cmd"]))
+    return doc
 
 
 def fmt_row(r) -> str:

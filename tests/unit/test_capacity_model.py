@@ -58,7 +58,15 @@ def serving_run(tmp_path):
     common = {"sweep": "budget", "budget_fraction": 0.25, "steps": 384, "decode_step_s": 40.0}
     rows = [
         {**common, "policy": "full", "tokens_per_s": 3.0, "max_concurrent": 1, "mean_accepted": 0.0},
-        {**common, "policy": "vericache", "tokens_per_s": 9.0, "max_concurrent": 6, "mean_accepted": 7.5},
+        {
+            **common,
+            "policy": "vericache",
+            "tokens_per_s": 9.0,
+            "max_concurrent": 6,
+            "mean_accepted": 7.5,
+            "verify_steps": 40,
+            "draft_step_s": 30.0,
+        },
     ]
     doc = {
         "rows": rows,
@@ -79,6 +87,8 @@ def test_cost_model_checks_a_serving_run_then_predicts_the_h200(tmp_path, capsys
     assert check["measured_speedup"] == pytest.approx(3.0)
     assert check["predicted_full_rows"] == 1  # 0.25 of 6 requests' KV holds one
     assert 1 < check["predicted_vc_rows"] <= 6  # the trace has 6 requests
+    # calibrated from the runs: the full run's steps give the bandwidth, VeriCache's draft steps the compute
+    assert check["cpu_flops"] == pytest.approx(2 * 134.5e6 * 6 / (30.0 / (384 - 40)))
     h200 = doc["summary"]
     assert {(p["link_gbps"], p["context"]) for p in h200} == {(64, 32768), (64, 131072), (450, 32768), (450, 131072)}
     for p in h200:

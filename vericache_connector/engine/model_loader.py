@@ -112,11 +112,9 @@ def model_identity(model_dir: str | os.PathLike, dtype, name: str | None = None)
     torch.dtype or its name); name defaults to the folder's. The fingerprint hashes config.json, the
     *.safetensors bytes and the tokenizer files once and is cached beside the checkpoint
     (storage_backends.identity)."""
-    from storage_backends.identity import model_fingerprint, model_id
-    from storage_backends.keys import dtype_str
+    from storage_backends.identity import dir_model_id
 
-    path = Path(model_dir).expanduser()
-    return model_id(name or path.resolve().name, model_fingerprint(path, dtype_str(dtype)))
+    return dir_model_id(model_dir, dtype, name)
 
 
 def config_identity(name: str, config: dict, revision: str | None, dtype) -> str:
