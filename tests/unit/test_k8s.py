@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import jsonschema
 import kubernetes_validate
@@ -234,7 +234,9 @@ def test_credentials_come_only_from_secrets():
             continue
         for c in obj["spec"]["template"]["spec"]["containers"]:
             for var in c.get("env", []):
-                if CREDENTIAL.search(var["name"]):
+                if CREDENTIAL.search(var["name"]) and var["name"].endswith("_FILE"):  # a path, into a Secret volume
+                    assert secret_volume_of(obj, c, var["value"]), var
+                elif CREDENTIAL.search(var["name"]):
                     assert "value" not in var and "secretKeyRef" in var["valueFrom"], var
             argv = c.get("command", []) + c.get("args", [])
             if "--kv-transfer-config" in argv:
@@ -248,8 +250,28 @@ def test_credentials_come_only_from_secrets():
         for e in c.get("env", [])
         for r in [e.get("valueFrom", {})]
         if "secretKeyRef" in r
+    } | {
+        v["secret"]["secretName"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for v in o["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
     }
-    assert secret_names == {"vericache-store"} == {docs(p)[0]["metadata"]["name"] for p in SECRETS.values()}
+    assert secret_names == {"vericache-store", "vericache-verifier"}
+    assert secret_names == {docs(p)[0]["metadata"]["name"] for p in SECRETS.values()}
+
+
+def secret_volume_of(deployment: dict, container: dict, path: str) -> dict | None:
+    """The Secret volume item a container sees at `path` (None if that path is not in a Secret volume)."""
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        secret = volumes[m["name"]].get("secret")
+        if secret and Path(path).parent == Path(m["mountPath"]):
+            return next(
+                (dict(i, secretName=secret["secretName"]) for i in secret["items"] if i["path"] == Path(path).name),
+                None,
+            )
+    return None
 
 
 def test_redis_is_reachable_from_the_engines_only():
@@ -264,7 +286,7 @@ def test_redis_is_reachable_from_the_engines_only():
     url = urlsplit(secret_env("redis")["VERICACHE_STORE_URL"])
     service = find(redis, "Service", "vericache-redis")
     assert (url.hostname, url.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
-    assert url.password == secret_env("redis")["REDIS_PASSWORD"]
+    assert unquote(url.password) == secret_env("redis")["REDIS_PASSWORD"]  # percent-encoded in the URL
 
 
 # -- Helm values against the chart's keys -------------------------------------------------------------
@@ -276,7 +298,9 @@ def values_validator() -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(schema)
 
 
-@pytest.mark.parametrize("overlays", [(), ("values-s3.yaml",)], ids=["redis", "s3"])
+@pytest.mark.parametrize(
+    "overlays", [(), ("values-s3.yaml",), ("values-verifier.yaml",)], ids=["redis", "s3", "verifier"]
+)
 def test_helm_values_use_the_charts_keys(overlays):
     values_validator().validate(helm_values(*overlays))
 
@@ -405,11 +429,9 @@ def test_logging_config_prints_the_connectors_lines(name):
     assert f"[{name}] hit r1: 512 tokens loaded" in out.stdout and "not shown" not in out.stdout
 
 
-def test_pods_draft_with_the_compressed_kv_proposer():
-    """Every vLLM container runs the compressed-first proposer, named by an importable class, and
-    recomputes on a failed load."""
-    import importlib
-
+def test_pods_run_the_connector_alone_by_default():
+    """Every vLLM container runs the connector without the proposer (experimental: on the CPU it made warm
+    requests slower than the connector alone, README "vLLM connector") and recomputes on a failed load."""
     seen = 0
     for obj in all_objects():
         if obj["kind"] != "Deployment":
@@ -420,9 +442,210 @@ def test_pods_draft_with_the_compressed_kv_proposer():
                 continue
             # a store fault during a load must recompute, not fail the request (vLLM's default is "fail")
             assert json.loads(kv_transfer_config(argv))["kv_load_failure_policy"] == "recompute"
-            spec = json.loads(argv[argv.index("--speculative-config") + 1])
-            assert spec["method"] == "custom_class" and spec["num_speculative_tokens"] >= 1
-            module, name = spec["model"].rsplit(".", 1)
-            assert callable(getattr(getattr(importlib.import_module(module), name), "propose"))
+            assert "--speculative-config" not in argv
             seen += 1
     assert seen >= 2  # the plain Deployment and the Helm chart's engine
+
+
+@pytest.mark.parametrize("path", [K8S / "helm" / "values.yaml", K8S / "manifests" / "vllm-deployment.yaml"])
+def test_the_documented_proposer_option_names_an_importable_proposer(path):
+    """The commented-out --speculative-config next to the connector's args (the opt-in) still works."""
+    import importlib
+
+    m = re.search(r"#\s*- \"?--speculative-config\"?\n\s*#\s*- '(\{.*\})'\n", path.read_text())
+    assert m is not None, f"{path}: no commented --speculative-config option"
+    spec = json.loads(m.group(1))
+    assert spec["method"] == "custom_class" and spec["num_speculative_tokens"] >= 1
+    module, name = spec["model"].rsplit(".", 1)
+    assert callable(getattr(getattr(importlib.import_module(module), name), "propose"))
+
+
+# -- The Redis password: a mounted file, never argv or the environment --------------------------------
+
+
+def redis_deployments() -> list[dict]:
+    return [
+        find(docs(K8S / "manifests" / "redis" / "redis.yaml"), "Deployment", "vericache-redis"),
+        find(helm_values()["extraObjects"], "Deployment", "vericache-redis"),
+    ]
+
+
+def redis_container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_redis_password_comes_from_a_mounted_file_not_argv_or_env():
+    for deployment in redis_deployments():
+        pod = deployment["spec"]["template"]["spec"]
+        c = redis_container(deployment)
+        argv = c.get("command", []) + c.get("args", [])
+        assert "--requirepass" not in argv and not any("$(REDIS_PASSWORD)" in a for a in argv), argv
+        assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})], c.get("env")
+        probe = " ".join(c["readinessProbe"]["exec"]["command"])
+        assert " -a " not in probe and "REDISCLI_AUTH=" in probe, probe
+        # the script's password file lies in the Secret volume, readable by the pod's group only
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        path = argv[argv.index("redis-start") + 1]
+        secret = volumes[mounts[str(Path(path).parent)]]["secret"]
+        assert secret["secretName"] == "vericache-store"
+        assert {"key": "REDIS_PASSWORD", "path": Path(path).name} in secret["items"]
+        assert secret["defaultMode"] & 0o007 == 0 and pod["securityContext"]["fsGroup"] == 999
+        assert Path(path).parent.as_posix() in probe
+        conf = argv[argv.index("redis-start") + 2]
+        assert volumes[mounts[str(Path(conf).parent)]]["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.parametrize("password", ["p@ss/w#rd?%41\"'\\ $x:[]", "0123456789abcdef0123456789abcdef"])
+def test_redis_start_script_serves_with_the_files_password(tmp_path, password):
+    """The container's own script and probe, run with the local redis-server: it authenticates with the
+    file's password (percent-encoded in the store URL), refuses without it, and the password is in
+    neither redis-server's command line nor its environment."""
+    import os
+    import shutil
+    import time
+    from urllib.parse import quote
+
+    from stores import free_port, need, run
+
+    need(shutil.which("redis-server") and shutil.which("redis-cli"), "redis-server/redis-cli are not installed")
+    c = redis_container(redis_deployments()[0])
+    argv = c["command"]
+    assert argv[:2] == ["sh", "-c"]
+    secret_dir = str(Path(argv[argv.index("redis-start") + 1]).parent)
+    (tmp_path / "REDIS_PASSWORD").write_text(password + "\n")  # a trailing newline, as from a file
+    conf, port = tmp_path / "redis.conf", free_port()
+    cmd = ["sh", "-c", argv[2], "redis-start", str(tmp_path / "REDIS_PASSWORD"), str(conf)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        probe = [a.replace(secret_dir, str(tmp_path)) for a in c["readinessProbe"]["exec"]["command"]]
+        probe[-1] = probe[-1].replace("redis-cli", f"redis-cli -p {port}")
+        deadline = time.monotonic() + 15
+        while subprocess.run(probe, capture_output=True).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "redis did not become ready"
+            time.sleep(0.1)
+        secret = password.encode()
+        for part in ("cmdline", "environ"):
+            assert secret not in Path(f"/proc/{proc.pid}/{part}").read_bytes(), part
+        assert b"redis-server" in Path(f"/proc/{proc.pid}/cmdline").read_bytes()  # exec'd: the script is gone
+        assert os.stat(conf).st_mode & 0o077 == 0
+        (tmp_path / "wrong").mkdir()
+        (tmp_path / "wrong" / "REDIS_PASSWORD").write_text("not-the-password")
+        wrong = [a.replace(str(tmp_path), str(tmp_path / "wrong")) for a in probe]
+        assert subprocess.run(wrong, capture_output=True).returncode != 0
+        nopass = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True)
+        assert "NOAUTH" in nopass.stdout + nopass.stderr
+
+        async def round_trip():
+            b = open_backend(f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0")
+            await b.put("k", b"v")
+            value = await b.get("k")
+            await b.close()
+            return value
+
+        assert run(round_trip(), timeout=30) == b"v"
+    finally:
+        proc.kill()
+        proc.wait(10)
+    (tmp_path / "empty").write_text("\n")
+    empty = subprocess.run(["sh", "-c", argv[2], "redis-start", str(tmp_path / "empty"), str(conf)], timeout=10)
+    assert empty.returncode != 0  # no password, no Redis (requirepass "" would let anyone in)
+
+
+# -- Drafters + verifier (k8s/manifests/verifier/, k8s/helm/values-verifier.yaml) -----------------------------
+
+
+def verifier_objects() -> list[dict]:
+    return docs(K8S / "manifests" / "verifier" / "verifier.yaml") + docs(
+        K8S / "manifests" / "verifier" / "drafters.yaml"
+    )
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_verifier_overlay_is_the_plain_manifests(version):
+    objects = helm_values("values-verifier.yaml")["extraObjects"]
+    assert objects == docs(K8S / "manifests" / "redis" / "redis.yaml") + verifier_objects()
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def pod_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def test_verifier_sits_next_to_the_store_and_drafters_elsewhere():
+    objects = verifier_objects()
+    redis = find(docs(K8S / "manifests" / "redis" / "redis.yaml"), "Deployment", "vericache-redis")
+    verifier, drafter = (
+        find(objects, "Deployment", "vericache-verifier"),
+        find(objects, "Deployment", "vericache-drafter"),
+    )
+    (near,) = verifier["spec"]["template"]["spec"]["affinity"]["podAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert near["topologyKey"] == "kubernetes.io/hostname"
+    assert near["labelSelector"]["matchLabels"].items() <= pod_labels(redis).items()
+    away = drafter["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert any(t["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= pod_labels(redis).items() for t in away)
+    assert drafter["spec"]["replicas"] >= 2 and verifier["spec"]["replicas"] == 1
+    # both read the store: through the Redis NetworkPolicy
+    store_np = find(docs(K8S / "manifests" / "redis" / "redis.yaml"), "NetworkPolicy", "vericache-redis")
+    store_clients = store_np["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert (
+        store_clients.items() <= pod_labels(verifier).items() and store_clients.items() <= pod_labels(drafter).items()
+    )
+
+
+def test_only_drafters_reach_the_verifier():
+    objects = verifier_objects()
+    verifier, drafter = (
+        find(objects, "Deployment", "vericache-verifier"),
+        find(objects, "Deployment", "vericache-drafter"),
+    )
+    policy, service = (
+        find(objects, "NetworkPolicy", "vericache-verifier"),
+        find(objects, "Service", "vericache-verifier"),
+    )
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(verifier).items()
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    allowed = source["podSelector"]["matchLabels"]
+    assert set(source) == {"podSelector"}  # no namespaceSelector / ipBlock widening it
+    assert allowed.items() <= pod_labels(drafter).items()
+    for other in all_objects() + docs(K8S / "manifests" / "redis" / "redis.yaml"):
+        if other["kind"] == "Deployment" and other["metadata"]["name"] != "vericache-drafter":
+            assert not allowed.items() <= pod_labels(other).items(), other["metadata"]["name"]
+    (port,) = rule["ports"]
+    (container,) = verifier["spec"]["template"]["spec"]["containers"]
+    (cport,) = container["ports"]
+    (sport,) = service["spec"]["ports"]
+    assert port["port"] == cport["containerPort"] == sport["port"] and sport["targetPort"] == cport["name"]
+    (dc,) = drafter["spec"]["template"]["spec"]["containers"]
+    assert f"tcp://{service['metadata']['name']}:{sport['port']}" in dc["args"]
+
+
+def test_verifier_and_drafters_parse_their_args_and_read_the_token_from_the_secret_file():
+    from vericache_connector.cli import build_parser
+
+    secret = docs(SECRETS["verifier"])[0]
+    for name, sub in (("vericache-verifier", "verifier"), ("vericache-drafter", "drafter")):
+        deployment = find(verifier_objects(), "Deployment", name)
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert c["command"] == ["vericache", sub]
+        args = build_parser().parse_args(c["command"][1:] + c["args"])
+        assert args.command == sub and args.host == "0.0.0.0" and args.store is None and args.token_file is None
+        env = {e["name"]: e for e in c["env"]}
+        assert env["VERICACHE_STORE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "vericache-store"
+        item = secret_volume_of(deployment, c, env["VERICACHE_VERIFIER_TOKEN_FILE"]["value"])
+        assert item["secretName"] == secret["metadata"]["name"] and item["key"] in secret["stringData"]
+        volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v.get("secret"))
+        assert volume["secret"]["defaultMode"] & 0o007 == 0
+        assert "VERICACHE_VERIFIER_TOKEN" not in env  # never the value itself
+        assert not any("TOKEN" in a.upper() for a in c["args"])

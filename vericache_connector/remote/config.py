@@ -1,16 +1,25 @@
 """Settings of a remote dual-copy prefix store, shared by the engine's RemotePrefixCache and the vLLM
 connector. RemoteCacheConfig is the one owner of the store timeout: it is passed explicitly to the
-store's backend, and a URL that carries its own ``timeout_s`` is refused (two owners would disagree)."""
+store's backend, and a URL that carries its own ``timeout_s`` is refused (two owners would disagree).
+
+The URL may carry a password (redis://:secret@host): errors and the repr show it redacted (shown_url).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from storage_backends import redact_url
 from storage_backends.base import query_options
 
 SCHEMES = ("local", "redis", "rediss", "s3", "nixl")
 DEFAULT_TIMEOUT_S = 5.0  # a lookup, a compressed fetch, one layer of the full stream (then: recompute)
+
+
+def shown_url(url: object) -> str:
+    """A store URL as errors and reprs show it: quoted, its password (and credential-like options)
+    masked by storage_backends.redact_url, which does not trust the URL to be well formed."""
+    return repr(redact_url(url)) if isinstance(url, str) else redact_url(url)
 
 
 @dataclass
@@ -20,20 +29,65 @@ class RemoteCacheConfig:
     chunk_size: int = 256
     bandwidth_bytes_per_s: float | None = None  # emulate a slow link (reads)
     timeout_s: float = DEFAULT_TIMEOUT_S  # every store operation, and a stalled full stream
-    model_name: str | None = None  # default: the engine's model directory name
+    # Names the model in store keys. Default: the engine's / vLLM's model identity, 'folder.fingerprint'
+    # (config, weights, tokenizer, dtype). An explicit name must identify the weights itself: every
+    # model given the same name shares (and trusts) the same entries.
+    model_name: str | None = None
+    # "lmcache": key chunks by LMCache's multiprocess-server chunk hashes, to read and write the prefixes an
+    # LMCache server stores through storage_backends/lmcache_l2_adapter.py (and its per-tenant cache_salt).
+    key_hashing: str = "vericache"
+    cache_salt: str = ""
+    # Integrity for stores shared with others: a keyed MAC over every manifest and payload (DualCopyStore's
+    # mac_key) read from this file (a mounted Secret), else from $VERICACHE_MAC_KEY_FILE / $VERICACHE_MAC_KEY;
+    # none: off. With a key, an entry without a valid tag is a miss: a writer without the key cannot plant KV.
+    mac_key_file: str | None = None
+    # Disaggregated hits (remote/drafter.py): with a verifier, a hit fetches ONLY the compressed copy and
+    # drafts on it; the verifier next to the store checks the drafts on the full KV it loads over its own
+    # fast link, so the full copy never crosses this node's link. tcp://HOST:PORT: `vericache verifier`;
+    # http://HOST:PORT: a vLLM server (greedy). Any verifier fault: the full copy is fetched here instead.
+    verifier: str | None = None
+    # The token shared with the verifier: this file (a mounted Secret), else $VERICACHE_VERIFIER_TOKEN_FILE /
+    # $VERICACHE_VERIFIER_TOKEN (never a command-line value)
+    verifier_token_file: str | None = None
+    verifier_timeout_s: float = 5.0  # one verify call (the first also covers the verifier's full-KV load)
 
     def __post_init__(self):
         scheme = self.url.split("://", 1)[0].lower() if isinstance(self.url, str) and "://" in self.url else None
         if scheme not in SCHEMES:
-            raise ValueError(f"bad store URL {self.url!r}: expected {', '.join(s + '://...' for s in SCHEMES)}")
-        if "timeout_s" in query_options(self.url):
             raise ValueError(
-                f"store URL {redact_url(self.url)!r} sets timeout_s: set it in the config "
+                f"bad store URL {shown_url(self.url)}: expected {', '.join(s + '://...' for s in SCHEMES)}"
+            )
+        try:
+            options = query_options(self.url)
+        except ValueError:
+            raise ValueError(f"bad store URL {shown_url(self.url)}: it does not parse") from None
+        if "timeout_s" in options:
+            raise ValueError(
+                f"store URL {shown_url(self.url)} sets timeout_s: set it in the config "
                 f"(RemoteCacheConfig.timeout_s / kv_connector_extra_config.timeout_s) instead"
             )
+        from storage_backends.lmcache_keys import check_hashing, check_salt
+
+        check_hashing(self.key_hashing)
+        check_salt(self.cache_salt)
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
             raise ValueError(f"bandwidth_bytes_per_s must be > 0 or None, got {self.bandwidth_bytes_per_s}")
+        if self.verifier is not None and not (
+            isinstance(self.verifier, str) and self.verifier.split("://", 1)[0] in ("tcp", "http", "https")
+        ):
+            raise ValueError(
+                f"bad verifier URL {shown_url(self.verifier)}: expected tcp://HOST:PORT or http(s)://HOST:PORT"
+            )
+        if self.verifier_timeout_s <= 0:
+            raise ValueError(f"verifier_timeout_s must be > 0, got {self.verifier_timeout_s}")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={shown_url(getattr(self, f.name)) if f.name in ('url', 'verifier') else repr(getattr(self, f.name))}"
+            for f in fields(self)
+        )
+        return f"{type(self).__name__}({shown})"

@@ -9,13 +9,28 @@ cache and start drafting at once, while the full copy streams layer by layer int
 background event loop; the first verify pass waits for it and doubles as the suffix's prefill. MISS:
 prefill locally, write both copies (the store writes payloads first, manifests last), decode. Every
 store fault falls back to local computation, so the output is always the full-KV output.
-One request at a time per RemotePrefixCache.
+
+Entries are the model's own: keys and manifests name it by engine.model_name (folder name + a
+fingerprint of config, weights, tokenizer and dtype), so another checkpoint's entries are never read.
+A compressed copy that passed its checksums is still validated against the model and its own meta
+(Compressor.validate) before anything drafts on it; one that does not fit is a miss of the compressed
+copy (the full copy is used, and a good compressed copy written back). Whatever goes wrong once the
+full copy is streaming, the stream is cancelled before generate returns or raises.
+One request at a time per RemotePrefixCache; close() (or the with-block) ends its loop thread, and a
+closed cache raises at once.
+
+With cfg.verifier (drafters + verifier, remote/drafter.py), a HIT with a compressed copy fetches only that
+copy: a verifier next to the store loads the full copy over its own fast link and checks the drafts, which
+go on while each call is in flight (path "verified"; bytes_full stays 0). Any verifier fault: the full copy
+is streamed here after all and the request finishes locally from the tokens verified so far
+("verifier-fallback"). A miss, or a hit without a usable compressed copy, runs as without a verifier.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -31,7 +46,7 @@ from ..engine.llm_engine import VeriCacheEngine
 from ..engine.speculative import DecodeConfig, SpecStats, speculative_decode
 from .config import RemoteCacheConfig
 from .full_copy import stream_full_copy
-from .store_client import StoreClient
+from .store_client import ClientClosed, StoreClient
 
 logger = logging.getLogger("vericache.remote")
 
@@ -67,6 +82,7 @@ class _Arrival:
         self.event, self.recompute = threading.Event(), recompute
         self.error: BaseException | None = None
         self.nbytes, self.done_at = 0, None
+        self.task: asyncio.Task | None = None  # the stream, on the store loop
 
     def ready(self) -> bool:
         return self.event.is_set()
@@ -81,6 +97,13 @@ class _Arrival:
             )
             self.recompute()
             self.done_at = time.perf_counter()
+
+    async def stop(self) -> None:
+        """On the store loop: cancel the stream if it still runs, and wait for it to end. The stream
+        task started before this one runs (the loop runs callbacks in order), so `task` is set."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
 
 
 class _Clock:
@@ -118,10 +141,27 @@ class RemotePrefixCache:
     def __init__(self, engine: VeriCacheEngine, cfg: RemoteCacheConfig):
         self.engine, self.cfg = engine, cfg
         self.compressor = get_compressor(cfg.compressor)
+        # cfg.model_name overrides the fingerprinted name: it must then identify the weights itself
         self.client = StoreClient(cfg, cfg.model_name or engine.model_name, engine.model.dtype, "vericache-remote")
         self.store = self.client.store
+        self.verifier = None
+        if cfg.verifier:
+            from .drafter import make_verifier
+
+            try:
+                self.verifier = make_verifier(cfg.verifier, cfg.verifier_token_file, cfg.verifier_timeout_s)
+            except BaseException:
+                self.client.close()
+                raise
+
+    @property
+    def closed(self) -> bool:
+        return self.client.closed
 
     def close(self) -> None:
+        """Cancel what still runs on the store loop, close the store's connections, end the loop thread."""
+        if self.verifier is not None:
+            self.verifier.close()
         self.client.close()
 
     def __enter__(self) -> "RemotePrefixCache":
@@ -132,6 +172,8 @@ class RemotePrefixCache:
 
     # ---- one request ---------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], decode: DecodeConfig) -> RemoteResult:
+        if self.closed:
+            raise ClientClosed("RemotePrefixCache is closed: make a new one (or generate inside its with-block)")
         t0, ids = time.perf_counter(), list(prompt_ids)
         self.engine.check_length(len(ids), decode.max_new_tokens)
         stored = stored_prefix_len(len(ids), self.cfg.chunk_size)
@@ -179,25 +221,55 @@ class RemotePrefixCache:
         if found < len(r.prefix):
             return self._miss(r, write=True)
         # 2) HIT: the small compressed copy first. Absent or corrupt -> full-only; store gone -> recompute.
+        #    Checksums passed; it must also fit the model and its own meta, else it is not used.
+        #    With a verifier, its first call goes out now: it loads the full copy while we fetch ours.
+        session = self._open_session(r) if has_comp and self.verifier is not None else None
         compressed, error = None, None
         if has_comp:
             try:
                 compressed = self._call(self._fetch_compressed(r.prefix), self.cfg.timeout_s)
+                if compressed is not None:
+                    c = self.engine.model.cfg
+                    self.compressor.validate(compressed, len(r.prefix), c.num_layers, c.num_kv_heads, c.head_dim)
             except StoreUnavailable as e:
                 logger.warning("compressed copy fetch failed (%s); recomputing locally", e)
+                if session is not None:
+                    session.abandon()
                 return self._miss(r, write=False, error=e)
             except Exception as e:
                 logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
-                error = e
+                compressed, error = None, e
+        if session is not None:
+            res = self._verified(r, compressed, session) if compressed is not None else None
+            if isinstance(res, RemoteResult):
+                return res
+            session.abandon()
+            if res is not None:  # the compressed copy does not build a draft cache: the full copy alone
+                compressed, error = None, res
         # 3) Full cache with the prefix length set but its data still empty; stream the full copy into it.
         full = self.engine.model.new_cache(1, len(r.prefix) + r.extra)
         full.lengths[0] = len(r.prefix)
         arrival = _Arrival(lambda: self._recompute_into(full, r.prefix))
         self._submit(self._stream_into(r.prefix, full, arrival))
+        try:
+            return self._use_copies(r, full, arrival, compressed, error)
+        finally:  # on an error too: the stream is stopped, nothing goes on writing into `full`
+            if not arrival.ready():
+                try:
+                    self._call(arrival.stop(), self.cfg.timeout_s)
+                except Exception as e:
+                    logger.warning("full copy stream not stopped (%s: %s)", type(e).__name__, e)
+
+    def _use_copies(self, r: _Request, full: KVCache, arrival: _Arrival, compressed, error) -> RemoteResult:
+        # 4) Draft on the compressed copy at once; round 1 verifies once the full copy is in.
+        if compressed is not None:
+            try:
+                draft = self.engine.draft_cache([compressed], r.extra)
+            except Exception as e:  # validated, yet it does not build: the full copy alone
+                logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
+                compressed, error = None, e
         if compressed is None:
             return self._full_only(r, full, arrival, error)
-        # 4) Draft on the compressed copy at once; round 1 verifies once the full copy is in.
-        draft = self.engine.draft_cache([compressed], r.extra)
         res = self._decode(full, draft, r.suffix, r.decode, arrival, r.t0, "hit")
         res.bytes_compressed = compressed.nbytes
         res = self._arrived(res, arrival, r.t0, "hit-recompute")
@@ -244,6 +316,80 @@ class RemotePrefixCache:
         res = self._arrived(res, arrival, r.t0, "fallback-recompute")
         if writing is not None:
             self._finish_write(res, writing, "compressed copy write-back")
+        return res
+
+    # ---- drafters + verifier (remote/drafter.py) --------------------------------------------------
+    def _open_session(self, r: _Request):
+        from .drafter import VerifiedDecode
+
+        ids = r.prefix + r.suffix[0].tolist()
+        name = self.cfg.model_name or self.engine.model_name
+        session = VerifiedDecode(self.verifier, name, ids, len(r.prefix), r.decode, self.engine.model.cfg)
+        try:
+            session.open()
+        except Exception as e:  # down, or refuses this request: the path without a verifier
+            logger.warning("verifier %s not used (%s: %s)", self.cfg.verifier, type(e).__name__, e)
+            return None
+        return session
+
+    def _verified(self, r: _Request, compressed: CompressedKV, session) -> RemoteResult | Exception:
+        """Draft here on the compressed copy, verified next to the store; on a verifier fault, stream the
+        full copy here and finish locally from the tokens verified so far. A compressed copy that does not
+        build a draft cache is returned as the error (the caller goes on without it)."""
+        from .drafter import VerifierFault
+
+        try:
+            draft = self.engine.draft_cache([compressed], r.extra)
+        except Exception as e:  # validated, yet it does not build
+            logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
+            return e
+        c0 = draft.lengths.clone()
+        try:
+            out = session.run(self.engine.draft_model(), draft)
+        except VerifierFault as f:
+            draft.lengths = c0
+            return self._finish_locally(r, draft, f.emitted, f.cause, compressed)
+        tm = Timings(_since(out.first_draft_t, r.t0), first_token_s=_since(out.first_token_t, r.t0))
+        res = RemoteResult(out.tokens, "verified", out.stats, tm, bytes_compressed=compressed.nbytes)
+        logger.info(
+            "verified: %d tokens in %d verify calls (mean accepted %.2f of %d drafted, forwards of up to %d rows)",
+            len(out.tokens),
+            out.calls,
+            out.stats.mean_accepted(),
+            out.drafted,
+            max(out.batched, default=0),
+        )
+        return res
+
+    def _finish_locally(self, r: _Request, draft, emitted: list[int], cause, compressed) -> RemoteResult:
+        """The full copy streamed here (as without a verifier) while drafting resumes on the compressed copy;
+        prompt suffix + emitted are the round-1 feed, so the output continues exactly after `emitted`."""
+        logger.warning(
+            "verifier %s failed after %d verified tokens (%s: %s); fetching the full copy and finishing locally",
+            self.cfg.verifier,
+            len(emitted),
+            type(cause).__name__,
+            cause,
+        )
+        decode = dataclasses.replace(r.decode, max_new_tokens=r.decode.max_new_tokens - len(emitted))
+        first = torch.cat([r.suffix, torch.tensor([emitted], dtype=r.suffix.dtype, device=r.suffix.device)], 1)
+        rest = _Request(r.prefix, first, decode, r.t0)
+        full = self.engine.model.new_cache(1, len(r.prefix) + rest.extra)
+        full.lengths[0] = len(r.prefix)
+        arrival = _Arrival(lambda: self._recompute_into(full, r.prefix))
+        self._submit(self._stream_into(r.prefix, full, arrival))
+        try:
+            res = self._decode(full, draft, first, decode, arrival, r.t0, "verifier-fallback")
+        finally:
+            if not arrival.ready():
+                try:
+                    self._call(arrival.stop(), self.cfg.timeout_s)
+                except Exception as e:
+                    logger.warning("full copy stream not stopped (%s: %s)", type(e).__name__, e)
+        res.tokens = emitted + res.tokens
+        res.bytes_compressed = compressed.nbytes
+        res = self._arrived(res, arrival, r.t0, "verifier-fallback-recompute")
+        res.error = res.error or f"verifier: {_err(cause)}"
         return res
 
     def _decode(self, full, draft, first, decode, arrival, t0, path) -> RemoteResult:
@@ -303,6 +449,7 @@ class RemotePrefixCache:
     async def _stream_into(self, prefix, full: KVCache, arrival: _Arrival) -> None:
         """Copy each arriving layer into full[layer][0, :, :n]; a fault is left for arrival.wait()."""
         n = len(prefix)
+        arrival.task = asyncio.current_task()
 
         def put(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             full.keys[layer][0, :, :n] = k
@@ -314,7 +461,10 @@ class RemotePrefixCache:
                 self.store, prefix, len(full.keys), self.cfg.timeout_s, put, shape=full.keys[0][0, :, :n].shape
             )
             arrival.done_at = time.perf_counter()
-        except BaseException as e:  # noqa: BLE001 - handed over to the decoding thread
+        except asyncio.CancelledError as e:  # arrival.stop() or close(): stop here
+            arrival.error = e
+            raise
+        except Exception as e:  # handed over to the decoding thread
             arrival.error = e
         finally:
             arrival.event.set()

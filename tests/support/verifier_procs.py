@@ -1,0 +1,118 @@
+"""Real processes on 127.0.0.1 for the drafters + verifier tests: `vericache verifier`, `vericache drafter`
+and a fake verifier (fake_verifier.py) that answers garbage or nothing. Each process logs to a file; it is
+ready once it prints its "serving ... on <url>" line; stop() sends SIGTERM, kill() SIGKILL (a crash)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+TOKEN = "verifier-test-token-0123456789abcdef"  # tests only; real ones come from a Secret
+
+
+def proc_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERICACHE_VERIFIER_TOKEN")}
+    return {**env, "VERICACHE_VERIFIER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra}
+
+
+class Proc:
+    def __init__(self, argv: list[str], log_path: str, env: dict[str, str] | None = None, ready_s: float = 180):
+        self.argv, self.log_path = argv, log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env or proc_env(), start_new_session=True
+        )
+        deadline = time.monotonic() + ready_s
+        while True:
+            m = re.search(r"serving .* on (\S+)", self.log())
+            if m:
+                self.url = m.group(1)
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{argv[2:4]} did not start (exit {self.proc.returncode}):\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, sig) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def verifier(store: str, log_path: str, port: int = 0, ttl_s: float = 30.0, **env) -> Proc:
+    argv = [sys.executable, "-m", "vericache_connector", "verifier", "--port", str(port), "--ttl-s", str(ttl_s)]
+    return Proc(argv, log_path, proc_env(VERICACHE_STORE_URL=store, **env))
+
+
+def drafter(store: str, verifier_url: str, log_path: str, *extra: str) -> Proc:
+    argv = [sys.executable, "-m", "vericache_connector", "drafter", "--port", "0", "--verifier", verifier_url, *extra]
+    return Proc(argv, log_path, proc_env(VERICACHE_STORE_URL=store))
+
+
+def fake_verifier(mode: str, log_path: str) -> Proc:
+    return Proc([sys.executable, os.path.join(SUPPORT, "fake_verifier.py"), mode], log_path, ready_s=60)
+
+
+def generate(url: str, body: dict, timeout_s: float = 300) -> dict:
+    req = urllib.request.Request(url + "/v1/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, **json.loads(e.read() or b"{}")}
+
+
+def usage(url: str):
+    """The verifier's counters (rpc.Usage), asked over its own protocol."""
+    from vericache_connector.remote import rpc
+
+    client = rpc.VerifierClient(url, TOKEN.encode(), timeout_s=10)
+    try:
+        return client.call(rpc.Stats())
+    finally:
+        client.close()
+
+
+def seed_store(engine, url: str, ids: list[int], chunk: int = 256, compressor: str = "kivi4") -> int:
+    """Write both copies of ids' stored prefix straight through DualCopyStore (as a miss would); returns
+    the stored length."""
+    import asyncio
+
+    from storage_backends import DualCopyStore, stored_prefix_len
+    from vericache_connector.compressors import get_compressor
+
+    stored = stored_prefix_len(len(ids), chunk)
+    pre = engine.prefill(ids[:stored])
+    comp = get_compressor(compressor).compress(pre.prefix)
+    layers = [{"k": k, "v": v} for k, v in zip(pre.prefix.keys, pre.prefix.values)]
+
+    async def put():
+        async with DualCopyStore(url, engine.model_name, engine.model.dtype, chunk) as st:
+            await st.put_prefix(ids[:stored], layers, {comp.spec: comp.to_payload()})
+
+    asyncio.run(asyncio.wait_for(put(), 120))
+    return stored

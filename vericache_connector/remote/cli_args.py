@@ -1,0 +1,42 @@
+"""Command-line options of `vericache verifier` and `vericache drafter` (kept apart from the servers, so
+building the parser imports neither torch nor ZMQ). Secrets are never options: the store URL (it may carry
+a password) comes from --store or $VERICACHE_STORE_URL, the verifier token from
+$VERICACHE_VERIFIER_TOKEN_FILE (a mounted Secret) / $VERICACHE_VERIFIER_TOKEN or --token-file (a path)."""
+
+from __future__ import annotations
+
+from .config import DEFAULT_TIMEOUT_S
+from .rpc import DEFAULT_PORT, MAX_CALL_BYTES
+from .rpc import DEFAULT_TIMEOUT_S as VERIFY_TIMEOUT_S
+
+
+def _common(p) -> None:
+    p.add_argument("--store", default=None, help="store URL (default: $VERICACHE_STORE_URL, e.g. from a Secret)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the bundled SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    p.add_argument("--chunk-size", type=int, default=256, help="the store's chunk size (tokens)")
+    p.add_argument("--store-timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="per store operation")
+    p.add_argument(
+        "--bandwidth-bytes-per-s", type=float, default=None, help="emulate this node's link to the store (reads)"
+    )
+    p.add_argument("--mac-key-file", default=None, help="the store's MAC key file (default: $VERICACHE_MAC_KEY_FILE)")
+    p.add_argument("--token-file", default=None, help="verifier token file (default: $VERICACHE_VERIFIER_TOKEN_FILE)")
+
+
+def add_verifier_args(p) -> None:
+    _common(p)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="ZMQ port (0: any free one, printed)")
+    p.add_argument("--memory-gb", type=float, default=4.0, help="resident full KV of all requests (LRU beyond)")
+    p.add_argument("--ttl-s", type=float, default=30.0, help="free a request's KV after this long unused")
+    p.add_argument("--max-batch", type=int, default=8, help="verify calls per forward")
+    p.add_argument("--max-call-bytes", type=int, default=MAX_CALL_BYTES, help="larger calls are refused")
+
+
+def add_drafter_args(p) -> None:
+    _common(p)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one, printed)")
+    p.add_argument("--verifier", default=None, help="tcp://HOST:PORT (vericache verifier) or http://HOST:PORT (vLLM)")
+    p.add_argument("--verifier-timeout-s", type=float, default=VERIFY_TIMEOUT_S, help="per verify call")
+    p.add_argument("--compressor", default="kivi4", help="the compressed copy drafts run on")
+    p.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")
+    p.add_argument("--draft-layout", default="auto", help="draft cache layout: auto, paged, dense, materialized")

@@ -1,0 +1,256 @@
+"""`vericache verifier`: the verifier service next to the store, serving many drafters over ZMQ (rpc.py).
+
+    VERICACHE_VERIFIER_TOKEN_FILE=/run/secrets/verifier/token \\
+    vericache verifier --store redis://vericache-redis:6379/0 --model DIR --host 0.0.0.0 --port 8477
+
+One thread runs the loop: drain every call that has arrived (a forward's worth, from all drafters), check
+and refuse what does not fit (a Failure answer names why; the loop goes on), start the full-KV load of a
+request the first time it is seen (on the StoreClient's loop thread, over the fast link, while the loop
+goes on serving others), then verify every request whose KV is in, batched (verifier.py), and answer.
+A request's calls are answered in order; a resident not used for ttl_s is freed (its drafter died), and a
+Release frees it at once. The store URL may carry a password: it comes from --store or $VERICACHE_STORE_URL
+(a Secret) and is only ever shown redacted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from storage_backends import redact_url
+
+from . import rpc
+from .config import RemoteCacheConfig
+from .full_copy import stream_full_copy
+from .store_client import StoreClient
+from .verifier import CallError, Resident, VerifierConfig, VerifierCore
+
+logger = logging.getLogger("vericache.verifier")
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = rpc.DEFAULT_PORT  # 0: any free port (printed)
+    max_call_bytes: int = rpc.MAX_CALL_BYTES
+    idle_poll_s: float = 0.05
+
+
+class VerifierServer:
+    def __init__(self, core: VerifierCore, store: StoreClient, token: bytes, settings: ServerSettings | None = None):
+        import zmq
+
+        self.core, self.store, self.settings = core, store, settings or ServerSettings()
+        self._token, self._zmq = token, zmq
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # ZMQ drops a peer whose message is over this (no answer: its call times out); calls between
+        # max_call_bytes and this get a Failure that says so.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.settings.max_call_bytes)
+        host = self.settings.host
+        if self.settings.port == 0:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._sock.bind(f"tcp://{host}:{self.settings.port}")
+            self.port = self.settings.port
+        self.queues: dict[str, deque] = {}  # request -> calls waiting, in order: (peer, Verify)
+        self.loading: dict[str, tuple[Resident, object, float]] = {}  # request -> (resident, future, t0)
+        self.failures: dict[str, int] = {}
+        self.stop = threading.Event()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        last_sweep = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                ready = self._ready()
+                wait = 0 if ready else (0.005 if self.loading else self.settings.idle_poll_s)
+                if self._sock.poll(int(wait * 1000)):
+                    self._drain()
+                    ready = self._ready()
+                self._run(ready)
+                if time.monotonic() - last_sweep > 1.0:
+                    last_sweep = time.monotonic()
+                    for name in self.core.expire(last_sweep, set(self.loading)):
+                        logger.info("request %s: idle for over %ss, its KV is freed", name, self.core.cfg.ttl_s)
+        finally:
+            self._sock.close(0)
+
+    def _drain(self) -> None:
+        zmq = self._zmq
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer, rest = frames[0], frames[1:]
+            try:
+                self._take(peer, rest)
+            except CallError as e:
+                self._fail(peer, "", -1, e.code, str(e))
+
+    def _take(self, peer: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            raise CallError("malformed", f"a call is 2 frames [token, body], got {len(frames)}")
+        if not hmac.compare_digest(frames[0], self._token):
+            raise CallError("auth", "missing or wrong verifier token")
+        if len(frames[1]) > self.settings.max_call_bytes:
+            raise CallError(
+                "too_large", f"call of {len(frames[1])} bytes exceeds the limit of {self.settings.max_call_bytes}"
+            )
+        try:
+            call = rpc.decode_call(frames[1])
+        except ValueError as e:
+            raise CallError("malformed", str(e)) from None
+        if isinstance(call, rpc.Stats):
+            self._answer(peer, self.core.usage(self.failures))
+        elif isinstance(call, rpc.Release):
+            self.queues.pop(call.request, None)
+            if self.core.drop(call.request):
+                self.core.counts["released"] += 1
+        else:
+            try:
+                self.core.check(call)
+            except CallError as e:
+                self._fail(peer, call.request, call.seq, e.code, str(e))
+                return
+            self.queues.setdefault(call.request, deque()).append((peer, call))
+
+    def _ready(self) -> list[tuple[bytes, rpc.Verify, Resident]]:
+        """The head call of every request whose KV is in; starts loads, finishes the ones that are done."""
+        for name in [n for n, (_, fut, _) in self.loading.items() if fut.done()]:
+            self._loaded(name)
+        ready = []
+        for name, queue in list(self.queues.items()):
+            if not queue or name in self.loading:
+                continue
+            peer, call = queue[0]
+            r = self.core.resident(call)
+            if r is not None and r.ready:
+                ready.append((peer, call, r))
+                continue
+            try:
+                r = self.core.admit(call, set(self.loading) | {c.request for _, c, _ in ready})
+            except CallError as e:
+                queue.popleft()
+                self._fail(peer, call.request, call.seq, e.code, str(e))
+                continue
+            self.loading[name] = (r, self.store.submit(self._load(call.prompt[: call.stored], r)), time.monotonic())
+        return ready
+
+    async def _load(self, prefix: list[int], r: Resident) -> int:
+        n, cache = len(prefix), r.cache
+
+        def put(layer, k, v):
+            cache.keys[layer][0, :, :n] = k
+            cache.values[layer][0, :, :n] = v
+
+        shape = cache.keys[0][0, :, :n].shape
+        return await stream_full_copy(self.store.store, prefix, len(cache.keys), self.store.cfg.timeout_s, put, shape)
+
+    def _loaded(self, name: str) -> None:
+        r, fut, t0 = self.loading.pop(name)
+        try:
+            nbytes = fut.result()
+        except Exception as e:  # store down, entry gone or corrupt: every waiting call is told
+            if self.core.residents.get(name) is r:
+                self.core.drop(name)
+            logger.warning("request %s: full KV not loaded (%s: %s)", name, type(e).__name__, e)
+            for peer, call in self.queues.pop(name, ()):
+                self._fail(peer, call.request, call.seq, "store", f"full KV not loaded: {type(e).__name__}: {e}")
+            return
+        if self.core.residents.get(name) is not r:
+            return  # released or expired while loading
+        r.ready, r.tokens = True, list(r.prefix)
+        r.cache.lengths[0] = len(r.prefix)
+        logger.info(
+            "request %s: %d tokens of full KV loaded (%d bytes, %.3fs)",
+            name,
+            len(r.prefix),
+            nbytes,
+            time.monotonic() - t0,
+        )
+
+    def _run(self, ready: list[tuple[bytes, rpc.Verify, Resident]]) -> None:
+        """Verify the ready calls: short feeds batched up to max_batch rows, long ones alone."""
+        cfg = self.core.cfg
+        small, big = [], []
+        for x in ready:
+            (small if len(self.core.plan(x[1], x[2])[1]) <= cfg.batch_max_feed else big).append(x)
+        batches = [small[i : i + cfg.max_batch] for i in range(0, len(small), cfg.max_batch)] + [[x] for x in big]
+        for batch in batches:
+            for _, call, _ in batch:
+                self.queues[call.request].popleft()
+            try:
+                verdicts = self.core.verify([(call, r) for _, call, r in batch])
+            except Exception as e:  # noqa: BLE001 - answer the calls, keep serving
+                logger.exception("verify forward failed")
+                for peer, call, r in batch:
+                    self.core.drop(call.request)
+                    self._fail(peer, call.request, call.seq, "internal", f"{type(e).__name__}: {e}")
+                continue
+            for (peer, _, _), verdict in zip(batch, verdicts):
+                self._answer(peer, verdict)
+        for name in [n for n, q in self.queues.items() if not q]:
+            del self.queues[name]
+
+    # ---- answers ----------------------------------------------------------------------------------
+    def _answer(self, peer: bytes, answer) -> None:
+        try:
+            self._sock.send_multipart([peer, rpc.encode(answer)], self._zmq.NOBLOCK)
+        except self._zmq.ZMQError:
+            pass  # the drafter is gone; its resident expires
+
+    def _fail(self, peer: bytes, request: str, seq: int, code: str, message: str) -> None:
+        self.failures[code] = self.failures.get(code, 0) + 1
+        logger.warning("refused a call%s: %s: %s", f" of request {request}" if request else "", code, message)
+        self._answer(peer, rpc.Failure(request, seq, code, message))
+
+
+def main(args) -> int:
+    """The CLI entry (cli.py `verifier`): load the model, connect to the store, serve until SIGTERM/SIGINT."""
+    from ..engine import VeriCacheEngine
+
+    token = rpc.verifier_token(args.token_file)  # before anything slow: a missing token fails at once
+    logger.setLevel(logging.INFO)  # loads, expiries and refusals are the service's log
+    url = args.store or os.environ.get("VERICACHE_STORE_URL")
+    if not url:
+        raise ValueError("no store: pass --store URL or set VERICACHE_STORE_URL (from a Secret)")
+    store_cfg = RemoteCacheConfig(
+        url=url,
+        chunk_size=args.chunk_size,
+        bandwidth_bytes_per_s=args.bandwidth_bytes_per_s,
+        timeout_s=args.store_timeout_s,
+        mac_key_file=args.mac_key_file,
+    )
+    engine = VeriCacheEngine.from_pretrained(args.model)
+    core = VerifierCore(
+        engine.model,
+        engine.model_name,
+        VerifierConfig(
+            memory_bytes=int(args.memory_gb * (1 << 30)),
+            ttl_s=args.ttl_s,
+            max_batch=args.max_batch,
+            chunk_size=args.chunk_size,
+        ),
+    )
+    store = StoreClient(store_cfg, engine.model_name, engine.model.dtype, "vericache-verifier-store")
+    server = VerifierServer(core, store, token, ServerSettings(args.host, args.port, args.max_call_bytes))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop.set())
+    print(
+        f"vericache verifier: serving {engine.model_name} on tcp://{args.host}:{server.port} "
+        f"(store {redact_url(url)}, KV budget {args.memory_gb:g} GiB)",
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    finally:
+        store.close()
+    return 0
