@@ -20,6 +20,12 @@ from .kivi import (
     kivi_quantize_values,
     kivi_split,
 )
+from .kvquant import (
+    kvquant_dequantize_keys,
+    kvquant_dequantize_values,
+    kvquant_quantize_keys,
+    kvquant_quantize_values,
+)
 from .pack import pack_bits, unpack_bits, unpack_bits_float
 from .paged import new_paged_cache, paged_attention, paged_attention_ref, paged_write
 from .prefix_attention import (
@@ -31,6 +37,7 @@ from .prefix_attention import (
     prefix_attention_lse_ref,
     tail_attention_lse,
 )
+from .rotatekv import hadamard_rotation, rotatekv_dequantize, rotatekv_quantize
 from .turboquant import (
     lloyd_max_gaussian,
     turbo_codebook,
@@ -59,6 +66,13 @@ __all__ = [
     "kivi_quantize_keys",
     "kivi_quantize_values",
     "kivi_split",
+    "kvquant_dequantize_keys",
+    "kvquant_dequantize_values",
+    "kvquant_quantize_keys",
+    "kvquant_quantize_values",
+    "hadamard_rotation",
+    "rotatekv_dequantize",
+    "rotatekv_quantize",
     "new_paged_cache",
     "paged_attention",
     "paged_attention_ref",

@@ -20,6 +20,9 @@ _MODULES = {
     "int8": "int8",
     "fp8": "fp8",
     "turboquant": "turboquant",
+    "press": "press",  # any kvpress press (optional dependency kvpress; press.py)
+    "kvquant": "kvquant",
+    "rotatekv": "rotatekv",
 }
 
 PRESETS = {
@@ -37,6 +40,39 @@ PRESETS = {
     "turboquant-k3v2": "turboquant:key_bits=3,value_bits=2",
 }
 
+# Presets get_compressor also knows, kept out of PRESETS (which tests and benchmark grids run on any
+# PrefixKV): press presets need the prompt's token ids and kvpress, kvquant the RoPE frequencies
+# (PrefixKV.token_ids / inv_freq, which VeriCacheEngine.prefill fills).
+EXTRA_PRESETS = {
+    "kvquant4": "kvquant:bits=4",
+    "kvquant2": "kvquant:bits=2",
+    "rotatekv4": "rotatekv:bits=4",
+    "rotatekv2": "rotatekv:bits=2",
+    # kvpress presses (press.py); KVzip at 0.2 of the tokens is the paper's long-context drafter
+    "kvzip-5x": "press:kvzip:ratio=5",
+    "kvzip-4x": "press:kvzip:ratio=4",
+    "kvzip-8x": "press:kvzip:ratio=8",
+    "expected-attention-4x": "press:expected_attention:ratio=4",
+    "expected-attention-8x": "press:expected_attention:ratio=8",
+    "adakv-ea-4x": "press:expected_attention:ratio=4,adaptive=1",
+    "adakv-ea-8x": "press:expected_attention:ratio=8,adaptive=1",
+    "pyramidkv-4x": "press:pyramidkv:ratio=4",
+}
+
+# The compressed copy of a stored prefix is written once for every later question, so the store path
+# wants a query-agnostic compressor: it must not score positions with the prompt's own last queries
+# (SnapKV, TOVA do). KVzip scores by reconstructing the whole context (KVzip's point; it needs kvpress
+# and PrefixKV.token_ids); without kvpress, KIVI-4 (a quantizer scores nothing) is the default.
+STORE_DEFAULT = "kvzip-5x"
+STORE_DEFAULT_NO_KVPRESS = "kivi4"
+
+
+def store_default() -> str:
+    """The query-agnostic compressor preset for the store path (KVzip when kvpress is installed)."""
+    from .kvpress_bridge import kvpress_available
+
+    return STORE_DEFAULT if kvpress_available() else STORE_DEFAULT_NO_KVPRESS
+
 
 def compressor_names() -> list[str]:
     return sorted(_MODULES)
@@ -46,7 +82,7 @@ def compressor_class(name: str) -> type[Compressor]:
     if name not in _MODULES:
         raise ValueError(
             f"unknown compressor {name!r}; known: {', '.join(compressor_names())} "
-            f"or presets {', '.join(sorted(PRESETS))}"
+            f"or presets {', '.join(sorted({**PRESETS, **EXTRA_PRESETS}))}"
         )
     module = importlib.import_module(f".{_MODULES[name]}", __name__)
     return module.COMPRESSOR
@@ -72,11 +108,13 @@ def get_compressor(spec: str | Compressor) -> Compressor:
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"compressor spec must be a non-empty string, got {spec!r}")
-    full = PRESETS.get(spec.strip(), spec.strip())
+    full = PRESETS.get(spec.strip()) or EXTRA_PRESETS.get(spec.strip(), spec.strip())
     name, _, args = full.partition(":")
     cls = compressor_class(name)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
+    if hasattr(cls, "from_spec_args"):  # e.g. press:kvzip:ratio=5 (a name before the settings)
+        kwargs, args = cls.from_spec_args(args, spec)
     for item in filter(None, args.split(",")):
         key, eq, raw = item.partition("=")
         if not eq or key not in fields:
@@ -91,6 +129,9 @@ __all__ = [
     "LayeredKV",
     "PrefixKV",
     "PRESETS",
+    "EXTRA_PRESETS",
+    "STORE_DEFAULT",
+    "store_default",
     "compressor_names",
     "compressor_class",
     "get_compressor",

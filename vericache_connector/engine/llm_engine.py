@@ -20,7 +20,7 @@ from ..compressors import CompressedKV, PrefixKV
 from ..draft import DraftConfig, make_draft_cache, make_draft_model
 from .kv_cache import KVCache, RowCache
 from .model import CausalLM, load_model
-from .model_loader import resolve_model_dir
+from .model_loader import memory_identity, model_identity, resolve_model_dir
 from .sampling import sample
 from .speculative import DecodeConfig, SpecStats, autoregressive_decode, speculative_decode
 
@@ -46,13 +46,23 @@ class VeriCacheEngine:
         model: CausalLM,
         tokenizer=None,
         obs_window: int = 32,
-        model_name: str = "model",
+        model_name: str | None = None,
         draft: DraftConfig | None = None,
     ):
         self.model, self.tokenizer, self.obs_window = model, tokenizer, obs_window
-        self.model_name = model_name  # names the model in store keys
+        self._model_name = model_name
         self.draft = draft or DraftConfig()  # how draft caches hold and attend the compressed prefix
         self._draft_models: dict[str, CausalLM] = {}
+
+    @property
+    def model_name(self) -> str:
+        """Names the model in store keys and manifests: 'name.fingerprint', where the fingerprint covers
+        what determines the KV (config, weights, tokenizer, dtype), so two checkpoints never share
+        entries. from_pretrained fingerprints the checkpoint's files; an engine built around a model
+        object without a name fingerprints the weights in memory (once, on first use)."""
+        if self._model_name is None:
+            self._model_name = memory_identity(self.model)
+        return self._model_name
 
     @classmethod
     def from_pretrained(
@@ -65,12 +75,12 @@ class VeriCacheEngine:
         from transformers import AutoTokenizer
 
         path = resolve_model_dir(model)
-        return cls(
-            load_model(path, dtype=dtype, device=device),
-            AutoTokenizer.from_pretrained(path),
-            model_name=path.name,
-            draft=draft,
-        )
+        net = load_model(path, dtype=dtype, device=device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # no or broken tokenizer files
+            raise ValueError(f"{str(path)!r}: the tokenizer does not load ({type(e).__name__}: {e})") from None
+        return cls(net, tokenizer, model_name=model_identity(path, net.dtype), draft=draft)
 
     @property
     def max_context(self) -> int:
@@ -101,7 +111,11 @@ class VeriCacheEngine:
             ids, torch.arange(t, device=ids.device)[None], cache, obs_window=min(self.obs_window, t), last_only=True
         )
         prefix = PrefixKV(
-            keys=[k[0] for k in cache.keys], values=[v[0] for v in cache.values], obs_queries=[o[0] for o in obs]
+            keys=[k[0] for k in cache.keys],
+            values=[v[0] for v in cache.values],
+            obs_queries=[o[0] for o in obs],
+            token_ids=list(prompt_ids),  # kvpress presses re-run the model on them (compressors/press.py)
+            inv_freq=self.model.inv_freq.float().cpu(),  # pre-RoPE quantizers undo RoPE (compressors/kvquant.py)
         )
         return Prefill(list(prompt_ids), prefix, logits[0, -1])
 
