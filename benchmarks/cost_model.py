@@ -314,7 +314,7 @@ def main(argv=None) -> int:
 
 def serving_main(args, argv) -> int:
     """The capacity model checked against a CPU serving run, then applied to the H200 (capacity_model.py)."""
-    from capacity_model import as_dict, fit_alpha, predict_serving, serving_table
+    from capacity_model import as_dict, predict_serving, serving_table
 
     run = json.loads(args.serving.read_text())
     rows = [r for r in run["rows"] if r["sweep"] == "budget"]
@@ -338,8 +338,10 @@ def serving_main(args, argv) -> int:
         rows_v = max(1, vc["max_concurrent"])
         flops = 2 * cpu_model.params * rows_v / (vc["draft_step_s"] / draft_steps) if draft_steps else 1e18
         hw = Hardware("CPU (calibrated)", bw, flops, 0)
-        k = max(1, round(vc["mean_accepted"]) + 1)
-        alpha = fit_alpha(max(k, 2), vc["mean_accepted"])
+        # per-draft acceptance a from the accepted drafts per round m: a geometric round (accept each draft with
+        # probability a until the first rejection) has mean a / (1 - a), so a = m / (1 + m); rounds cut short by
+        # their horizon make this an underestimate
+        alpha = vc["mean_accepted"] / (1 + vc["mean_accepted"])
         budget = full["budget_fraction"] * run["demand_bytes"]
         pred = predict_serving(
             hw,

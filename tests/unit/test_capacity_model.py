@@ -88,6 +88,7 @@ def test_cost_model_checks_a_serving_run_then_predicts_the_h200(tmp_path, capsys
     assert check["predicted_full_rows"] == 1  # 0.25 of 6 requests' KV holds one
     assert 1 < check["predicted_vc_rows"] <= 6  # the trace has 6 requests
     # calibrated from the runs: the full run's steps give the bandwidth, VeriCache's draft steps the compute
+    assert check["alpha"] == pytest.approx(7.5 / 8.5)  # geometric rounds: mean a / (1 - a) = 7.5
     assert check["cpu_flops"] == pytest.approx(2 * 134.5e6 * 6 / (30.0 / (384 - 40)))
     h200 = doc["summary"]
     assert {(p["link_gbps"], p["context"]) for p in h200} == {(64, 32768), (64, 131072), (450, 32768), (450, 131072)}
