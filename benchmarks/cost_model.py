@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -368,7 +369,7 @@ def serving_main(args, argv) -> int:
                 "cpu_flops": flops,
             }
         )
-    alpha = statistics_mean([c["alpha"] for c in checks]) if checks else 0.8
+    alpha = statistics.fmean(c["alpha"] for c in checks) if checks else 0.8
     comp = compression_of(a["compressor"], 1.0)
     h200 = HARDWARE["H200"]
     preds = [
@@ -427,10 +428,6 @@ def compression_of(spec: str, draft_over_full: float) -> float:
 
     m = re.search(r"(\d+)x$", spec) or re.search(r"ratio=(\d+(?:\.\d+)?)", spec)
     return (1.0 / float(m.group(1)) if m else 1.0) * draft_over_full
-
-
-def statistics_mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     model = build(args.smoke, device, dtype)
     replay = load_rounds(args.traces)
     mc = model.cfg
-    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
+    per_token = mc.kv_bytes_per_token(model.dtype.itemsize)
     warm = [Request(f"w{i}", list(range(1, 300)), 4) for i in range(2)]  # imports, kernels, allocator
     for policy in ("full", "vericache"):
         ServingEngine(model, ServingConfig(policy=policy, compressor=args.compressor, k_max=8)).run(warm)

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     engine = VeriCacheEngine.from_pretrained(args.model)
     model = engine.model
     prompts = make_prompts(engine, args.requests, args.min_tokens, args.max_tokens, args.seed)
-    per_token = model.cfg.num_layers * 2 * model.cfg.num_kv_heads * model.cfg.head_dim * model.dtype.itemsize
+    per_token = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
     demand = sum((len(p) + args.new) * per_token for p in prompts)
     # each prompt's forward once (timed), kept for the runs to replay; the references (each request alone,
     # plain full-KV greedy) are kept on disk by model fingerprint and prompt, so later runs reuse them

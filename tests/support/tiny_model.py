@@ -8,6 +8,18 @@ import torch
 from vericache_connector.engine import VeriCacheEngine
 from vericache_connector.engine.model import CausalLM, ModelConfig
 
+# tiny_config() as a Hugging Face config.json says it (for tests that write checkpoint folders)
+TINY_HF_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+
 
 def tiny_config(**overrides) -> ModelConfig:
     cfg = dict(

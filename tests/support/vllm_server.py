@@ -109,6 +109,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float, log_path: str) -> None:
+    """Until the server on 127.0.0.1:port answers /health with 200; RuntimeError (with the log's tail) if it
+    exits first, TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(f"server exited with {proc.returncode}; log: {log_path}\n{tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    raise TimeoutError(f"server not ready in {timeout_s:g} s; log: {log_path}")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL after 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
 class VLLMServer:
     def __init__(self, cfg: ServerConfig, log_path: str | None = None, ready_timeout_s: float = 600):
         self.cfg, self.port = cfg, free_port()
@@ -122,29 +151,16 @@ class VLLMServer:
         self.proc = subprocess.Popen(
             self.cfg.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server exited with {self.proc.returncode}; log: {self.log_path}\n" + self.log_tail()
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        self.__exit__()
-        raise TimeoutError(f"vLLM server not ready in {self.ready_timeout_s}s; log: {self.log_path}")
+        try:
+            wait_healthy(self.proc, self.port, self.ready_timeout_s, self.log_path)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc)
         self._log.close()
 
     def log_tail(self, n: int = 4000) -> str:

@@ -12,18 +12,9 @@ from safetensors.torch import save_file
 from vericache_connector.cli import main
 from vericache_connector.engine.model import CausalLM
 
-from tiny_model import tiny_config
+from tiny_model import TINY_HF_CONFIG, tiny_config
 
-HF_CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-}
+HF_CONFIG = TINY_HF_CONFIG
 
 
 def checkpoint(path, config=HF_CONFIG, weights="tiny"):

@@ -132,7 +132,7 @@ def run_serving_demo(
         pre = Prefill(p, PrefixKV([k for k, _, _ in layers], [v for _, v, _ in layers]), logits)
         refs.append(engine.generate_full([pre], DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False))[0])
     prefill_s = time.perf_counter() - t
-    per_token = model.cfg.num_layers * 2 * model.cfg.num_kv_heads * model.cfg.head_dim * model.dtype.itemsize
+    per_token = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
     demand = sum((len(p) + new_tokens) * per_token for p in prompts)
     budget = int(budget_fraction * demand)
     report = ServingDemoReport(

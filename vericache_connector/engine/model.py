@@ -54,6 +54,10 @@ class ModelConfig:
         out.check()
         return out
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of every layer for one token, at `itemsize` bytes per element."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
     def check(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             value = getattr(self, name)

@@ -37,7 +37,7 @@ class ServingEngine:
         self.model, self.cfg, self.prefill_store = model, cfg, prefill_store
         mc = model.cfg
         self.full_dtype = MODEL_DTYPES[model.dtype]
-        self.full_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
+        self.full_bytes_per_token = mc.kv_bytes_per_token(model.dtype.itemsize)
         self.compressor = get_compressor(cfg.compressor) if cfg.policy != "full" else None
         if self.compressor is not None and self.compressor.needs_queries and not cfg.obs_window:
             raise ValueError(f"compressor {cfg.compressor!r} needs observation queries: obs_window must be > 0")
@@ -75,7 +75,7 @@ class ServingEngine:
         names = {"full": ["full"], "lossy": ["draft"], "vericache": ["draft", "full"]}[self.cfg.policy]
         pools = {}
         for name in names:
-            per_block = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * getattr(torch, dtypes[name]).itemsize
+            per_block = mc.kv_bytes_per_token(getattr(torch, dtypes[name]).itemsize) * bs
             blocks = cap // per_block + len(seqs) + 2
             if self.cfg.policy == "vericache" and name == "full":
                 blocks += RELOADS_STAGED * max(s.prompt_len // bs for s in seqs)

@@ -40,3 +40,23 @@ def add_drafter_args(p) -> None:
     p.add_argument("--compressor", default="kivi4", help="the compressed copy drafts run on")
     p.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")
     p.add_argument("--draft-layout", default="auto", help="draft cache layout: auto, paged, dense, materialized")
+
+
+def store_config(args, **extra):
+    """The RemoteCacheConfig of the options _common adds (the URL from --store or $VERICACHE_STORE_URL), plus
+    what one server adds (the drafter's compressor and verifier)."""
+    import os
+
+    from .config import RemoteCacheConfig
+
+    url = args.store or os.environ.get("VERICACHE_STORE_URL")
+    if not url:
+        raise ValueError("no store: pass --store URL or set VERICACHE_STORE_URL (from a Secret)")
+    return RemoteCacheConfig(
+        url=url,
+        chunk_size=args.chunk_size,
+        bandwidth_bytes_per_s=args.bandwidth_bytes_per_s,
+        timeout_s=args.store_timeout_s,
+        mac_key_file=args.mac_key_file,
+        **extra,
+    )

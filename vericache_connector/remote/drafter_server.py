@@ -20,7 +20,6 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -31,6 +30,7 @@ from storage_backends import redact_url, stored_prefix_len
 
 from ..engine.sampling import sample
 from ..engine.speculative import DecodeConfig, autoregressive_decode
+from .cli_args import store_config
 from .config import RemoteCacheConfig
 from .full_copy import stream_full_copy
 from .prefix_cache import RemotePrefixCache
@@ -171,16 +171,9 @@ def main(args) -> int:
 
     from ..engine import VeriCacheEngine
 
-    url = args.store or os.environ.get("VERICACHE_STORE_URL")
-    if not url:
-        raise ValueError("no store: pass --store URL or set VERICACHE_STORE_URL (from a Secret)")
-    cfg = RemoteCacheConfig(
-        url=url,
+    cfg = store_config(
+        args,
         compressor=args.compressor,
-        chunk_size=args.chunk_size,
-        bandwidth_bytes_per_s=args.bandwidth_bytes_per_s,
-        timeout_s=args.store_timeout_s,
-        mac_key_file=args.mac_key_file,
         verifier=args.verifier,
         verifier_token_file=args.token_file,
         verifier_timeout_s=args.verifier_timeout_s,
@@ -199,7 +192,7 @@ def main(args) -> int:
         port = runner.addresses[0][1]
         print(
             f"vericache drafter: serving {engine.model_name} on http://{args.host}:{port} "
-            f"(store {redact_url(url)}, verifier {args.verifier or 'none'})",
+            f"(store {redact_url(cfg.url)}, verifier {args.verifier or 'none'})",
             flush=True,
         )
         stop = asyncio.Event()

@@ -103,8 +103,7 @@ def hidden_states(model, ids: Tensor, positions: Tensor, cache: RowCache) -> Ten
 class VerifierCore:
     def __init__(self, model, model_name: str, cfg: VerifierConfig | None = None):
         self.model, self.model_name, self.cfg = model, model_name, cfg or VerifierConfig()
-        c = model.cfg
-        self.bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        self.bytes_per_token = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
         self.residents: OrderedDict[str, Resident] = OrderedDict()
         self.counts = dict(calls=0, forwards=0, batched_rows=0, max_batch=0, loads=0, evicted=0, expired=0, released=0)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import signal
 import threading
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from storage_backends import redact_url
 
 from . import rpc
-from .config import RemoteCacheConfig
+from .cli_args import store_config
 from .full_copy import stream_full_copy
 from .store_client import StoreClient
 from .verifier import CallError, Resident, VerifierConfig, VerifierCore
@@ -219,16 +218,7 @@ def main(args) -> int:
 
     token = rpc.verifier_token(args.token_file)  # before anything slow: a missing token fails at once
     logger.setLevel(logging.INFO)  # loads, expiries and refusals are the service's log
-    url = args.store or os.environ.get("VERICACHE_STORE_URL")
-    if not url:
-        raise ValueError("no store: pass --store URL or set VERICACHE_STORE_URL (from a Secret)")
-    store_cfg = RemoteCacheConfig(
-        url=url,
-        chunk_size=args.chunk_size,
-        bandwidth_bytes_per_s=args.bandwidth_bytes_per_s,
-        timeout_s=args.store_timeout_s,
-        mac_key_file=args.mac_key_file,
-    )
+    store_cfg = store_config(args)
     engine = VeriCacheEngine.from_pretrained(args.model)
     core = VerifierCore(
         engine.model,
@@ -246,7 +236,7 @@ def main(args) -> int:
         signal.signal(sig, lambda *_: server.stop.set())
     print(
         f"vericache verifier: serving {engine.model_name} on tcp://{args.host}:{server.port} "
-        f"(store {redact_url(url)}, KV budget {args.memory_gb:g} GiB)",
+        f"(store {redact_url(store_cfg.url)}, KV budget {args.memory_gb:g} GiB)",
         flush=True,
     )
     try:

@@ -20,19 +20,9 @@ from vericache_connector.engine.model import CausalLM
 from vericache_connector.remote import RemoteCacheConfig, RemotePrefixCache
 
 from stores import has_module, run
-from tiny_model import tiny_config
+from tiny_model import TINY_HF_CONFIG, tiny_config
 
-HF_CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
-}
+HF_CONFIG = {**TINY_HF_CONFIG, "torch_dtype": "float32"}
 CFG = DecodeConfig(max_new_tokens=12, draft_k=4, stop_at_eos=False)
 PROMPT = [int(x) for x in torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(3))]
 

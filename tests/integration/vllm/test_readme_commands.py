@@ -20,8 +20,6 @@ import re
 import shlex
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import pytest
@@ -30,6 +28,7 @@ from vericache_connector.data import load_prompt
 
 from paths import ROOT
 from stores import drop_memory_store, need
+from vllm_server import free_port, stop_group, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -98,8 +97,6 @@ class ReadmeServer:
     """The README's command as a process on 127.0.0.1 (its log: /tmp/vericache-readme-<port>.log)."""
 
     def __init__(self, env: dict[str, str], argv: list[str]):
-        from vllm_server import free_port
-
         self.port = free_port()
         self.argv = argv + ["--host", "127.0.0.1", "--port", str(self.port)]
         self.env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, **env}
@@ -110,26 +107,15 @@ class ReadmeServer:
         self.proc = subprocess.Popen(
             self.argv, cwd=ROOT, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        self.__exit__()
-        raise TimeoutError(f"not ready in 600 s; log: {self.log_path}")
+        try:
+            wait_healthy(self.proc, self.port, 600, self.log_path)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+        stop_group(self.proc)
         self.log_file.close()
 
     def log(self) -> str:
