@@ -21,9 +21,11 @@ $(VENV)/.installed: pyproject.toml requirements-nodeps.txt
 demo: install
 	$(VENV)/bin/vericache demo
 
-# Everything (what CI runs); the 25 slowest tests are listed at the end, so a new slow one is seen.
+# Everything (what CI runs), on JOBS pytest-xdist workers (the tests sharing a module's server stay on one
+# worker; the session's prefills are computed once and shared); the 25 slowest tests are listed at the end.
+JOBS ?= 2
 test: install
-	$(PYTEST) --durations=25
+	$(PYTEST) -n $(JOBS) --dist loadgroup --durations=25
 
 # While working: the unit tests and the other fast ones (no real-model decoding, no live servers).
 test-fast: install

@@ -77,7 +77,7 @@ def weights_digest(model_dir: str | os.PathLike) -> str:
     digest = h.hexdigest()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # several processes may hash at once
         tmp.write_text(json.dumps({"stats": stats, "digest": digest}))
         tmp.replace(cache)
     except OSError:

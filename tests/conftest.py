@@ -26,6 +26,34 @@ from stores import RedisProcess, has_module, need  # noqa: E402
 NEW_TOKENS = 64
 
 
+# ---------------------------------------------------------------- parallel workers
+def pytest_configure(config):
+    """Under pytest-xdist (make test: -n 2) each worker gets its share of the cores for torch."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def shared(tmp_path_factory, name: str, compute):
+    """compute() once per test run. Under pytest-xdist the first worker to ask computes it and saves it in
+    the run's temporary root (which all workers share), under a file lock; the others wait and load it.
+    Only for this run's own values (nothing is reused across runs)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    import torch
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / f"shared-{name}.pt"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return torch.load(path, weights_only=False)  # written by a worker of this run
+        value = compute()
+        torch.save(value, path)
+        return value
+
+
 # ---------------------------------------------------------------- the real model
 @pytest.fixture(scope="session")
 def engine():
@@ -38,11 +66,13 @@ def engine():
 
 
 @pytest.fixture(scope="session")
-def prefills(engine):
-    """The five bundled real prompts (1.9k-5.6k tokens), prefilled on the full KV."""
+def prefills(engine, tmp_path_factory):
+    """The five bundled real prompts (1.9k-5.6k tokens), prefilled on the full KV (once per run)."""
     from vericache_connector.data import load_prompts
 
-    return [engine.prefill(engine.encode(text)) for text in load_prompts().values()]
+    return shared(
+        tmp_path_factory, "prefills", lambda: [engine.prefill(engine.encode(text)) for text in load_prompts().values()]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +83,9 @@ def greedy_cfg():
 
 
 @pytest.fixture(scope="session")
-def reference(engine, prefills, greedy_cfg):
-    """Plain full-KV greedy decoding, one token at a time: what VeriCache must reproduce exactly."""
-    return engine.generate_full(prefills, greedy_cfg)
+def reference(engine, prefills, greedy_cfg, tmp_path_factory):
+    """Plain full-KV greedy decoding, one token at a time: what VeriCache must reproduce exactly (once per run)."""
+    return shared(tmp_path_factory, "reference", lambda: engine.generate_full(prefills, greedy_cfg))
 
 
 @pytest.fixture(scope="session")
@@ -131,8 +161,15 @@ def private_redis(tmp_path):
     r.kill()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Every test that loads the real model is `slow` (make test-fast deselects them), whatever its file says."""
+    """Every test that loads the real model is `slow` (make test-fast deselects them), whatever its file says.
+    The tests of a module that share a module-scoped fixture (a server, a KVzip run) form one xdist group:
+    with --dist loadgroup they run on one worker, so that fixture is set up once."""
     for item in items:
         if "engine" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].scope == "module" for d in defs if d):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

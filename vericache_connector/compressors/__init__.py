@@ -59,20 +59,6 @@ EXTRA_PRESETS = {
     "pyramidkv-4x": "press:pyramidkv:ratio=4",
 }
 
-# The compressed copy of a stored prefix is written once for every later question, so the store path
-# wants a query-agnostic compressor: it must not score positions with the prompt's own last queries
-# (SnapKV, TOVA do). KVzip scores by reconstructing the whole context (KVzip's point; it needs kvpress
-# and PrefixKV.token_ids); without kvpress, KIVI-4 (a quantizer scores nothing) is the default.
-STORE_DEFAULT = "kvzip-5x"
-STORE_DEFAULT_NO_KVPRESS = "kivi4"
-
-
-def store_default() -> str:
-    """The query-agnostic compressor preset for the store path (KVzip when kvpress is installed)."""
-    from .kvpress_bridge import kvpress_available
-
-    return STORE_DEFAULT if kvpress_available() else STORE_DEFAULT_NO_KVPRESS
-
 
 def compressor_names() -> list[str]:
     return sorted(_MODULES)
@@ -130,8 +116,6 @@ __all__ = [
     "PrefixKV",
     "PRESETS",
     "EXTRA_PRESETS",
-    "STORE_DEFAULT",
-    "store_default",
     "compressor_names",
     "compressor_class",
     "get_compressor",

@@ -79,7 +79,12 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
     if model is None or str(model) in ("smollm2", BUNDLED_NAME):
         out = cache_root() / BUNDLED_NAME
         if not (out / "config.json").is_file():
-            convert_gguf(find_bundled_gguf(), out)
+            from filelock import FileLock
+
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(f"{out}.lock"):  # several processes starting at once convert it once
+                if not (out / "config.json").is_file():
+                    convert_gguf(find_bundled_gguf(), out)
         return out
     path = Path(model).expanduser()
     check_model_dir(path)

@@ -22,10 +22,21 @@ def shown_url(url: object) -> str:
     return repr(redact_url(url)) if isinstance(url, str) else redact_url(url)
 
 
+# The compressed copy of a stored prefix is written once for every later question, so the store path needs
+# a query-agnostic compressor (SnapKV and TOVA score positions with the prompt's own last queries). The
+# default is KIVI 4-bit: the paper's drafter for remote prefixes, it needs only the K/V (the vLLM worker and
+# the LMCache adapter have nothing else), and it kept the longest accepted runs at x = 25-50 of everything we
+# measured (README, "Press library"). KVzip (kvzip-5x) is the query-agnostic token-dropping choice where the
+# writer also has the model and the token ids (RemotePrefixCache, the verifier): it re-runs the model to
+# reconstruct the context, minutes per long prompt on a CPU. Every store config defaults to STORE_DEFAULT
+# (tests/unit/test_config_defaults.py).
+STORE_DEFAULT = "kivi4"
+
+
 @dataclass
 class RemoteCacheConfig:
     url: str = "local://"
-    compressor: str = "kivi4"
+    compressor: str = STORE_DEFAULT
     chunk_size: int = 256
     bandwidth_bytes_per_s: float | None = None  # emulate a slow link (reads)
     timeout_s: float = DEFAULT_TIMEOUT_S  # every store operation, and a stalled full stream
