@@ -26,7 +26,7 @@ def shown_url(url: object) -> str:
 # a query-agnostic compressor (SnapKV and TOVA score positions with the prompt's own last queries). The
 # default is KIVI 4-bit: the paper's drafter for remote prefixes, it needs only the K/V (the vLLM worker and
 # the LMCache adapter have nothing else), and it kept the longest accepted runs at x = 25-50 of everything we
-# measured (README, "Press library"). KVzip (kvzip-5x) is the query-agnostic token-dropping choice where the
+# measured (README, "Acceptance vs draft horizon"). KVzip (kvzip-5x) is the query-agnostic token-dropping choice where the
 # writer also has the model and the token ids (RemotePrefixCache, the verifier): it re-runs the model to
 # reconstruct the context, minutes per long prompt on a CPU. Every store config defaults to STORE_DEFAULT
 # (tests/unit/test_config_defaults.py).
