@@ -19,7 +19,7 @@ stated link). The verifier's fast link is the paper's 40 GB/s local store, scale
 Redis is slower than that, so the verifier reads at Redis's real speed (measured and reported). Compute
 is not scaled (CPU steps of SmolLM2-135M, every process on the same shared cores).
 
-    python benchmarks/disaggregated.py                       # the default grid (~30-45 min on 2 cores)
+    python benchmarks/disaggregated.py                       # the default grid (~30 min on 2 cores)
     python benchmarks/disaggregated.py --gbits 1 --drafters 2 --rounds 2 --rates
 """
 
@@ -47,6 +47,8 @@ METHODS = ("full-kv", "verified", "recompute")
 
 
 def parse_args(argv=None):
+    from vericache_connector.remote.config import STORE_DEFAULT
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gbits", nargs="+", type=float, default=[0.2, 0.5, 1.0, 2.5, 10.0], help="slow link, Gbit/s")
     p.add_argument("--drafters", nargs="+", type=int, default=[1, 2, 4])
@@ -55,13 +57,19 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="bundled prompts used (cut to --prompt-tokens)")
     p.add_argument("--prompt-tokens", type=int, default=1600)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--draft-k", type=int, default=8)
-    p.add_argument("--draft-weights", default="int8", help="the drafters' draft forward: model, bfloat16, int8")
+    p.add_argument("--compressor", default=STORE_DEFAULT, help="the compressed copy the drafters fetch")
+    p.add_argument("--draft-k", type=int, default=16, help="drafts per verify call")
+    p.add_argument("--draft-weights", default="model", help="the drafters' draft forward: model, bfloat16, int8")
     p.add_argument("--fast-gbyte", type=float, default=40.0, help="the verifier's link, GB/s (paper: 40)")
     p.add_argument("--scale-to", default="llama3-8b", choices=[*REF_KV_BYTES_PER_TOKEN, "none"])
     p.add_argument("--rates", nargs="*", type=float, default=[0.1, 0.2, 0.35], help="req/s per drafter (sweep)")
     p.add_argument("--rate-setting", nargs=2, type=float, default=[1.0, 2], metavar=("GBIT", "DRAFTERS"))
     p.add_argument("--rate-requests", type=int, default=4, help="requests per drafter per rate and method")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="verifier on the last core, every drafter on the others (separate machines' compute, emulated)",
+    )
     p.add_argument("--out", default="results/disaggregated")
     return p.parse_args(argv)
 
@@ -86,10 +94,19 @@ class Cluster:
             "OMP_NUM_THREADS": "1",
         }
 
+    def cores(self, name: str) -> list[str]:
+        """--pin: `taskset` the verifier onto the last core and the drafters onto the rest (both modes alike)."""
+        n = os.cpu_count() or 1
+        if not self.args.pin:
+            return []
+        if n < 2:
+            raise SystemExit("--pin needs at least 2 cores")
+        return ["taskset", "-c", str(n - 1) if name == "verifier" else f"0-{n - 2}"]
+
     def _start(self, argv: list[str], name: str):
         from verifier_procs import Proc
 
-        cmd = [sys.executable, "-m", "vericache_connector", *argv]
+        cmd = [*self.cores(name), sys.executable, "-m", "vericache_connector", *argv]
         return Proc(cmd, str(self.logs / f"{name}.log"), self.env(), ready_s=600)
 
     def rate(self, gbit: float) -> float:
@@ -99,6 +116,7 @@ class Cluster:
         self.stop_drafters()
         argv = [
             "drafter", "--port", "0", "--verifier", self.verifier.url, "--draft-weights", self.args.draft_weights,
+            "--compressor", self.args.compressor,
             "--bandwidth-bytes-per-s", str(self.rate(gbit)), "--store-timeout-s", "60",
         ]  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -210,6 +228,9 @@ def summarize(rows: list[dict], ref: dict, methods) -> list[dict]:
             verified_paths=sorted({r["path"] for r in v}),
             verified_mean_accepted=mean([r.get("mean_accepted") for r in v]),
             verified_calls=mean([r.get("verify_calls") for r in v]),
+            # draft forwards per emitted token (> 1: drafts thrown away after a rejection) and the first-token wait
+            verified_draft_steps_per_token=mean([r.get("draft_steps", 0) / len(r["tokens"]) for r in v if r["tokens"]]),
+            verified_first_token_s=mean([r.get("first_token_s") for r in v]),
             **{f"latency_s_{m}": lat[m] for m in methods},
             **{
                 f"throughput_rps_{m}": len(rs) / sum({r["round"]: r["batch_s"] for r in rs}.values())
@@ -249,8 +270,9 @@ def tables(summary, rates, header) -> str:
     out = [*header, "", "### Mean request latency per setting (closed loop: every drafter one request at a time)", ""]
     out += [
         "| slow link Gbit/s | drafters | fetch / decode | full-kv s | verified s | recompute s "
-        "| **speedup vs full-kv** | speedup vs recompute | accepted/call | calls/request | == full-KV |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| **speedup vs full-kv** | speedup vs recompute | accepted/call | calls/request | draft steps/token "
+        "| verified first token s | == full-KV |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in summary:
         out.append(
@@ -258,7 +280,8 @@ def tables(summary, rates, header) -> str:
             f"| {fmt(r.get('latency_s_full-kv'))} | {fmt(r.get('latency_s_verified'))} "
             f"| {fmt(r.get('latency_s_recompute'))} | **{fmt(r['latency_speedup_vs_full'])}x** "
             f"| {fmt(r['latency_speedup_vs_recompute'])}x | {fmt(r['verified_mean_accepted'])} "
-            f"| {fmt(r['verified_calls'], '.1f')} | {r['identical_count']}/{r['requests']} |"
+            f"| {fmt(r['verified_calls'], '.1f')} | {fmt(r['verified_draft_steps_per_token'])} "
+            f"| {fmt(r['verified_first_token_s'])} | {r['identical_count']}/{r['requests']} |"
         )
     if rates:
         out += ["", "### Latency and throughput vs request rate (open loop, Poisson arrivals per drafter)", ""]
@@ -373,7 +396,8 @@ def main(argv=None) -> int:
     stored = {n: stored_prefix_len(len(ids), 256) for n, ids in prompts.items()}
     header = [
         f"# Drafters + verifier: 1 verifier + N drafters (processes on 127.0.0.1, real Redis), SmolLM2-135M float32 "
-        f"on the CPU, greedy, {args.new_tokens} new tokens, draft_k {args.draft_k}, drafter draft weights "
+        f"on the CPU, greedy, {args.new_tokens} new tokens, compressed copy {args.compressor}, draft_k {args.draft_k}, "
+        f"drafter draft weights "
         f"{args.draft_weights}; prompts "
         + ", ".join(f"{n} ({len(ids)} tok, {stored[n]} stored)" for n, ids in prompts.items()),
         "",
@@ -381,8 +405,13 @@ def main(argv=None) -> int:
         f"(our {KV_BYTES_PER_TOKEN} B/token KV vs {args.scale_to}'s), so transfer times equal {args.scale_to}'s over "
         f"that link; the verifier's link: {args.fast_gbyte:g} GB/s scaled the same way, above what loopback Redis "
         f"gives: it read full copies at {fmt(mean(loads) and mean(loads) / 1e6, '.0f')} MB/s (mean of "
-        f"{len(loads)} loads). Compute is not scaled; all processes share this machine's "
-        f"{os.cpu_count()} cores.",
+        f"{len(loads)} loads). Compute is not scaled; "
+        + (
+            f"--pin: the verifier runs on core {os.cpu_count() - 1} and every drafter on cores 0-{os.cpu_count() - 2} "
+            "(in every method alike), as if on separate machines."
+            if args.pin
+            else f"all processes share this machine's {os.cpu_count()} cores."
+        ),
         "Latency = client-measured request time. Speedup = mean full-kv latency / mean verified latency in the same "
         "setting (methods interleaved round by round). fetch / decode = the full-kv baseline's fetch time / its "
         "time after the fetch (suffix prefill + decoding). == full-KV: outputs identical to the full-kv output "

@@ -90,11 +90,13 @@ class DrafterService:
                     path=res.path,
                     total_s=tm.total_s,
                     first_token_s=tm.first_token_s,
+                    first_draft_s=tm.first_draft_s,
                     full_arrived_s=tm.full_arrived_s,
                     bytes_compressed=res.bytes_compressed,
                     bytes_full=res.bytes_full,
                     verify_calls=len(res.stats.draft_lengths),
                     mean_accepted=res.stats.mean_accepted(),
+                    draft_steps=res.draft_steps,
                     error=res.error,
                 )
             out = self._full_kv(ids, decode, t0) if mode == "full-kv" else self._recompute(ids, decode, t0)

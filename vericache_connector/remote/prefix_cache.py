@@ -73,6 +73,7 @@ class RemoteResult:
     bytes_full: int = 0  # fetched
     wrote: bool = False  # this request wrote copies (now visible)
     error: str | None = None  # the fault behind a fallback
+    draft_steps: int = 0  # verified path: tokens drafted on the compressed KV, thrown-away ones included
 
 
 class _Arrival:
@@ -350,7 +351,9 @@ class RemotePrefixCache:
             draft.lengths = c0
             return self._finish_locally(r, draft, f.emitted, f.cause, compressed)
         tm = Timings(_since(out.first_draft_t, r.t0), first_token_s=_since(out.first_token_t, r.t0))
-        res = RemoteResult(out.tokens, "verified", out.stats, tm, bytes_compressed=compressed.nbytes)
+        res = RemoteResult(
+            out.tokens, "verified", out.stats, tm, bytes_compressed=compressed.nbytes, draft_steps=out.drafted
+        )
         logger.info(
             "verified: %d tokens in %d verify calls (mean accepted %.2f of %d drafted, forwards of up to %d rows)",
             len(out.tokens),

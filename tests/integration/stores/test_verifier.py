@@ -63,6 +63,8 @@ def test_hit_fetches_only_the_compressed_copy_and_is_exact(engine, env, caplog):
         assert res.bytes_full == 0 and 0 < res.bytes_compressed < env.stored * 46080 / 3
         assert res.timings.full_arrived_s is None and res.timings.first_token_s < res.timings.total_s
         assert len(res.stats.draft_lengths) >= 2 and res.stats.draft_lengths[0] == 0  # the opening call
+        # every accepted draft was drafted here; the verifier's tokens (one per call) were not
+        assert res.draft_steps >= sum(res.stats.accepted[0]) >= len(res.tokens) - len(res.stats.draft_lengths)
     u = usage(env.v.url)
     assert u.loads >= 2 and u.calls >= 4 and u.released >= 2
     assert "tokens of full KV loaded" in env.v.log()
@@ -95,6 +97,7 @@ def test_two_drafter_processes_share_one_verifier(env, drafters):
         assert out.get("path") == "verified", out
         assert out["tokens"] == env.ref
         assert out["bytes_full"] == 0
+        assert out["draft_steps"] >= NEW - out["verify_calls"] and 0 < out["first_draft_s"] <= out["total_s"]
     after = usage(env.v.url)
     assert after.loads - before.loads >= 4 and after.calls - before.calls >= 4 * 3
     assert after.forwards - before.forwards <= after.calls - before.calls
