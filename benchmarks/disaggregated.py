@@ -17,7 +17,8 @@ store reads, `gbit` real Gbit/s scaled to the model's KV bytes as side_by_side.p
 float32 KV is 45 KiB/token vs Llama-3-8B's 128 KiB/token, so transfer times equal Llama-3-8B's over the
 stated link). The verifier's fast link is the paper's 40 GB/s local store, scaled the same way; loopback
 Redis is slower than that, so the verifier reads at Redis's real speed (measured and reported). Compute
-is not scaled (CPU steps of SmolLM2-135M, every process on the same shared cores).
+is not scaled (CPU steps of SmolLM2-135M): every process on the same shared cores, or with --pin the
+verifier on a core of its own and the drafters on the others (separate machines' compute, emulated).
 
     python benchmarks/disaggregated.py                       # the default grid (~30 min on 2 cores)
     python benchmarks/disaggregated.py --gbits 1 --drafters 2 --rounds 2 --rates
@@ -229,7 +230,9 @@ def summarize(rows: list[dict], ref: dict, methods) -> list[dict]:
             verified_mean_accepted=mean([r.get("mean_accepted") for r in v]),
             verified_calls=mean([r.get("verify_calls") for r in v]),
             # draft forwards per emitted token (> 1: drafts thrown away after a rejection) and the first-token wait
-            verified_draft_steps_per_token=mean([r.get("draft_steps", 0) / len(r["tokens"]) for r in v if r["tokens"]]),
+            verified_draft_steps_per_token=mean(
+                [r["draft_steps"] / len(r["tokens"]) for r in v if r["path"] == "verified" and r["tokens"]]
+            ),
             verified_first_token_s=mean([r.get("first_token_s") for r in v]),
             **{f"latency_s_{m}": lat[m] for m in methods},
             **{
@@ -407,8 +410,8 @@ def main(argv=None) -> int:
         f"gives: it read full copies at {fmt(mean(loads) and mean(loads) / 1e6, '.0f')} MB/s (mean of "
         f"{len(loads)} loads). Compute is not scaled; "
         + (
-            f"--pin: the verifier runs on core {os.cpu_count() - 1} and every drafter on cores 0-{os.cpu_count() - 2} "
-            "(in every method alike), as if on separate machines."
+            f"--pin: the verifier runs on core {cluster.cores('verifier')[-1]} and every drafter on cores "
+            f"{cluster.cores('drafter')[-1]} (in every method alike), as if on separate machines."
             if args.pin
             else f"all processes share this machine's {os.cpu_count()} cores."
         ),
