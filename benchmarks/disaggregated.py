@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=1600)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--compressor", default=STORE_DEFAULT, help="the compressed copy the drafters fetch")
-    p.add_argument("--draft-k", type=int, default=16, help="drafts per verify call")
+    p.add_argument("--draft-k", type=int, default=16, help="the most drafts per verify call (ours sends what is ready)")
     p.add_argument("--draft-weights", default="model", help="the drafters' draft forward: model, bfloat16, int8")
     p.add_argument("--fast-gbyte", type=float, default=40.0, help="the verifier's link, GB/s (paper: 40)")
     p.add_argument("--scale-to", default="llama3-8b", choices=[*REF_KV_BYTES_PER_TOKEN, "none"])

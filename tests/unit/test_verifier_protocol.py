@@ -53,10 +53,12 @@ def load(core: VerifierCore, eng, c: rpc.Verify):
 class Loopback:
     """The client interface over a VerifierCore in this process; answers show up after `delay` polls."""
 
-    def __init__(self, core: VerifierCore, eng, delay: int = 0):
+    def __init__(self, core: VerifierCore, eng, delay: int = 0, cheap_calls: bool = False):
         self.core, self.eng, self.delay, self.answer, self.polls = core, eng, delay, None, 0
+        self.cheap_calls, self.sizes = cheap_calls, []
 
     def send(self, c: rpc.Verify, timeout_s=None) -> None:
+        self.sizes.append(len(c.drafts))
         self.answer, self.polls = self.core.verify([(c, load(self.core, self.eng, c))])[0], 0
 
     def poll(self, wait_s: float = 0.0):
@@ -214,23 +216,49 @@ def test_calls_that_do_not_fit_are_refused(eng, prompt, kw, code):
 
 
 # ---- the drafter's pipeline against the core -------------------------------------------------------
+def pipeline(eng, prompt, cfg, client, compressor="kivi2"):
+    core = client.core
+    comp = get_compressor(compressor).compress(eng.prefill(prompt[:STORED]).prefix)
+    draft = eng.draft_cache([comp], len(prompt) - STORED + cfg.cache_headroom)
+    session = VerifiedDecode(client, eng.model_name, prompt, STORED, cfg, eng.model.cfg)
+    session.open()
+    out = session.run(eng.draft_model(), draft)
+    assert not core.residents  # released at the end
+    return out
+
+
 @pytest.mark.parametrize("delay", [0, 2, 6, 30])
 @pytest.mark.parametrize("k", [1, 4])
-def test_pipeline_output_is_full_kv_greedy(eng, prompt, delay, k):
+@pytest.mark.parametrize("cheap", [False, True], ids=["calls-of-k", "calls-as-ready"])
+def test_pipeline_output_is_full_kv_greedy(eng, prompt, delay, k, cheap):
     """Answers that come at once, after a few draft steps, or after many (the drafter drafts ahead up to
-    k_max and throws away what a rejection invalidates): always the full-KV greedy output."""
+    k_max and throws away what a rejection invalidates), calls of draft_k or of what is ready: always the
+    full-KV greedy output."""
     cfg = DecodeConfig(max_new_tokens=30, draft_k=k, k_min=1, k_max=16, stop_at_eos=False)
     ref = eng.generate_full([eng.prefill(prompt)], cfg)[0]
     core = VerifierCore(eng.model, eng.model_name, VerifierConfig(chunk_size=CHUNK))
-    comp = get_compressor("kivi2").compress(eng.prefill(prompt[:STORED]).prefix)
-    draft = eng.draft_cache([comp], len(prompt) - STORED + cfg.cache_headroom)
-    session = VerifiedDecode(Loopback(core, eng, delay), eng.model_name, prompt, STORED, cfg, eng.model.cfg)
-    session.open()
-    out = session.run(eng.draft_model(), draft)
+    out = pipeline(eng, prompt, cfg, Loopback(core, eng, delay, cheap))
     assert out.tokens == ref
     assert sum(out.stats.accepted[0]) + out.calls == len(ref)  # every token: an accepted draft or a verdict's
     assert out.stats.draft_lengths[0] == 0 and max(out.stats.draft_lengths) <= 16
-    assert not core.residents  # released at the end
+
+
+def test_cheap_calls_go_out_as_soon_as_the_answer_is_in(eng, prompt):
+    """Our verifier (cheap_calls): a call goes out when the previous answer is in, with the k_min.. drafts
+    ready, so fewer drafts are thrown away than with calls of draft_k; vLLM's API: calls of draft_k."""
+    cfg = DecodeConfig(max_new_tokens=30, draft_k=8, k_min=2, k_max=16, stop_at_eos=False)
+    ref = eng.generate_full([eng.prefill(prompt)], cfg)[0]
+    core = VerifierCore(eng.model, eng.model_name, VerifierConfig(chunk_size=CHUNK))
+    runs = {}
+    for cheap in (False, True):
+        client = Loopback(core, eng, 2, cheap)
+        runs[cheap] = out = pipeline(eng, prompt, cfg, client, "streamingllm-8x")  # rejects often here
+        assert out.tokens == ref and client.sizes == out.stats.draft_lengths
+    sized = runs[False].stats.draft_lengths[1:-2]  # the opening call has none, the last ones what is left
+    assert len(sized) >= 3 and all(x == 8 for x in sized), runs[False].stats.draft_lengths
+    ready = runs[True].stats.draft_lengths[1:]
+    assert ready and max(ready) < 8 and all(x >= 1 for x in ready[:-1]), ready  # the last: what is left
+    assert runs[True].drafted < runs[False].drafted, (runs[True].drafted, runs[False].drafted)
 
 
 def test_pipeline_stops_at_eos_and_the_budget(eng, prompt):
@@ -240,11 +268,9 @@ def test_pipeline_stops_at_eos_and_the_budget(eng, prompt):
     eng2 = tiny_engine(eos_token_ids=(eos,))  # the same weights, with ref[7] as EOS
     cfg = DecodeConfig(max_new_tokens=30, draft_k=4, stop_at_eos=True)
     core = VerifierCore(eng2.model, eng2.model_name, VerifierConfig(chunk_size=CHUNK))
-    comp = get_compressor("kivi2").compress(eng2.prefill(prompt[:STORED]).prefix)
-    draft = eng2.draft_cache([comp], len(prompt) - STORED + cfg.cache_headroom)
-    session = VerifiedDecode(Loopback(core, eng2, 3), eng2.model_name, prompt, STORED, cfg, eng2.model.cfg)
-    session.open()
-    assert session.run(eng2.draft_model(), draft).tokens == ref[: ref.index(eos) + 1]
+    for cheap in (False, True):
+        out = pipeline(eng2, prompt, cfg, Loopback(core, eng2, 3, cheap))
+        assert out.tokens == ref[: ref.index(eos) + 1]
 
 
 # ---- the ZMQ client --------------------------------------------------------------------------------

@@ -11,12 +11,13 @@ is only the default, fixed at construction.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..compressors import CompressedKV, PrefixKV
+from ..compressors import CompressedKV, PrefixKV, get_compressor
 from ..draft import DraftConfig, make_draft_cache, make_draft_model
 from .kv_cache import KVCache, RowCache
 from .model import CausalLM, load_model
@@ -167,6 +168,18 @@ class VeriCacheEngine:
         cache = make_draft_cache(self.model, compressed, cfg.max_new_tokens + 1, draft or self.draft)
         positions = torch.tensor([p.num_tokens for p in prefills], device=self.model.device)
         return autoregressive_decode(self.model, cache, self.first_tokens(prefills, cfg), positions, cfg, on_tokens)
+
+    def warm_up(self, compressor: str = "kivi4") -> float:
+        """Run each path once on a short prompt (prefill, a compressed copy, its draft cache, draft and
+        verify forwards, plain decoding), so that a server's first request does not pay the one-time costs
+        (lazy kernel imports, allocator growth: about 1.5 s for the first paged draft cache on the CPU).
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        pre = self.prefill(list(range(1, 65)))
+        cfg = DecodeConfig(max_new_tokens=4, draft_k=2)
+        self.generate([pre], [get_compressor(compressor).compress(pre.prefix)], cfg)
+        self.generate_full([pre], cfg)
+        return time.perf_counter() - t0
 
     def generate(
         self,

@@ -90,6 +90,8 @@ class DrafterService:
                     path=res.path,
                     total_s=tm.total_s,
                     first_token_s=tm.first_token_s,
+                    compressed_s=tm.compressed_s,
+                    draft_ready_s=tm.draft_ready_s,
                     first_draft_s=tm.first_draft_s,
                     full_arrived_s=tm.full_arrived_s,
                     bytes_compressed=res.bytes_compressed,
@@ -97,6 +99,8 @@ class DrafterService:
                     verify_calls=len(res.stats.draft_lengths),
                     mean_accepted=res.stats.mean_accepted(),
                     draft_steps=res.draft_steps,
+                    draft_s=res.stats.draft_s,
+                    verify_wait_s=res.stats.verify_s,
                     error=res.error,
                 )
             out = self._full_kv(ids, decode, t0) if mode == "full-kv" else self._recompute(ids, decode, t0)
@@ -184,6 +188,7 @@ def main(args) -> int:
 
     draft = DraftConfig(layout=args.draft_layout, weights=args.draft_weights)
     engine = VeriCacheEngine.from_pretrained(args.model, draft=draft)
+    warm_s = engine.warm_up(cfg.compressor)  # before /health answers: requests do not pay one-time costs
     service = DrafterService(engine, cfg)
 
     async def serve() -> None:
@@ -194,7 +199,7 @@ def main(args) -> int:
         port = runner.addresses[0][1]
         print(
             f"vericache drafter: serving {engine.model_name} on http://{args.host}:{port} "
-            f"(store {redact_url(cfg.url)}, verifier {args.verifier or 'none'})",
+            f"(store {redact_url(cfg.url)}, verifier {args.verifier or 'none'}; warmed up in {warm_s:.1f}s)",
             flush=True,
         )
         stop = asyncio.Event()

@@ -32,6 +32,8 @@ MAX_RESPONSE_BYTES = 64 << 20  # prompt_logprobs of a long prompt: ~200 bytes pe
 
 
 class OpenAIVerifier:
+    cheap_calls = False  # every call prefills the whole sequence: calls of draft_k drafts (drafter.py)
+
     def __init__(self, url: str, token: bytes | None, timeout_s: float = rpc.DEFAULT_TIMEOUT_S):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:

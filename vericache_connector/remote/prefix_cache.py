@@ -55,6 +55,8 @@ logger = logging.getLogger("vericache.remote")
 class Timings:
     """Seconds since generate() was called."""
 
+    compressed_s: float | None = None  # compressed copy fetched and checked
+    draft_ready_s: float | None = None  # draft cache built from it
     first_draft_s: float | None = None  # first token drafted on the compressed KV
     drafted_until_s: float | None = None  # last draft of round 1 (it drafts on until the full copy is in)
     full_arrived_s: float | None = None  # full prefix KV complete (streamed in, or computed here)
@@ -225,13 +227,14 @@ class RemotePrefixCache:
         #    Checksums passed; it must also fit the model and its own meta, else it is not used.
         #    With a verifier, its first call goes out now: it loads the full copy while we fetch ours.
         session = self._open_session(r) if has_comp and self.verifier is not None else None
-        compressed, error = None, None
+        compressed, error, t_compressed = None, None, None
         if has_comp:
             try:
                 compressed = self._call(self._fetch_compressed(r.prefix), self.cfg.timeout_s)
                 if compressed is not None:
                     c = self.engine.model.cfg
                     self.compressor.validate(compressed, len(r.prefix), c.num_layers, c.num_kv_heads, c.head_dim)
+                    t_compressed = time.perf_counter()
             except StoreUnavailable as e:
                 logger.warning("compressed copy fetch failed (%s); recomputing locally", e)
                 if session is not None:
@@ -241,7 +244,7 @@ class RemotePrefixCache:
                 logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
                 compressed, error = None, e
         if session is not None:
-            res = self._verified(r, compressed, session) if compressed is not None else None
+            res = self._verified(r, compressed, session, t_compressed) if compressed is not None else None
             if isinstance(res, RemoteResult):
                 return res
             session.abandon()
@@ -333,7 +336,7 @@ class RemotePrefixCache:
             return None
         return session
 
-    def _verified(self, r: _Request, compressed: CompressedKV, session) -> RemoteResult | Exception:
+    def _verified(self, r: _Request, compressed: CompressedKV, session, t_compressed) -> RemoteResult | Exception:
         """Draft here on the compressed copy, verified next to the store; on a verifier fault, stream the
         full copy here and finish locally from the tokens verified so far. A compressed copy that does not
         build a draft cache is returned as the error (the caller goes on without it)."""
@@ -344,13 +347,18 @@ class RemotePrefixCache:
         except Exception as e:  # validated, yet it does not build
             logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
             return e
-        c0 = draft.lengths.clone()
+        c0, t_ready = draft.lengths.clone(), time.perf_counter()
         try:
             out = session.run(self.engine.draft_model(), draft)
         except VerifierFault as f:
             draft.lengths = c0
             return self._finish_locally(r, draft, f.emitted, f.cause, compressed)
-        tm = Timings(_since(out.first_draft_t, r.t0), first_token_s=_since(out.first_token_t, r.t0))
+        tm = Timings(
+            _since(t_compressed, r.t0),
+            _since(t_ready, r.t0),
+            _since(out.first_draft_t, r.t0),
+            first_token_s=_since(out.first_token_t, r.t0),
+        )
         res = RemoteResult(
             out.tokens, "verified", out.stats, tm, bytes_compressed=compressed.nbytes, draft_steps=out.drafted
         )
@@ -411,8 +419,8 @@ class RemotePrefixCache:
             path,
             stats,
             Timings(
-                _since(clock.first_draft, t0),
-                _since(clock.round1_end, t0),
+                first_draft_s=_since(clock.first_draft, t0),
+                drafted_until_s=_since(clock.round1_end, t0),
                 first_token_s=_since(marks[0] if marks else None, t0),
             ),
         )

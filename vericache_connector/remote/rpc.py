@@ -179,6 +179,8 @@ class VerifierClient:
     """One DEALER socket to the verifier; one call in flight at a time (`send`, then `poll` between draft
     steps). Answers to earlier calls (one that timed out, say) are dropped by (request, seq)."""
 
+    cheap_calls = True  # a call costs the verifier one short forward over a resident KV (drafter.py)
+
     def __init__(self, url: str, token: bytes, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 1.0):
         import zmq
 

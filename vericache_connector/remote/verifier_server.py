@@ -220,6 +220,7 @@ def main(args) -> int:
     logger.setLevel(logging.INFO)  # loads, expiries and refusals are the service's log
     store_cfg = store_config(args)
     engine = VeriCacheEngine.from_pretrained(args.model)
+    warm_s = engine.warm_up()  # before it serves: the first calls do not pay one-time costs
     core = VerifierCore(
         engine.model,
         engine.model_name,
@@ -236,7 +237,7 @@ def main(args) -> int:
         signal.signal(sig, lambda *_: server.stop.set())
     print(
         f"vericache verifier: serving {engine.model_name} on tcp://{args.host}:{server.port} "
-        f"(store {redact_url(store_cfg.url)}, KV budget {args.memory_gb:g} GiB)",
+        f"(store {redact_url(store_cfg.url)}, KV budget {args.memory_gb:g} GiB; warmed up in {warm_s:.1f}s)",
         flush=True,
     )
     try:

@@ -99,6 +99,7 @@ def test_two_drafter_processes_share_one_verifier(env, drafters):
         assert out["bytes_full"] == 0
         assert out["draft_steps"] >= NEW - out["verify_calls"] and 0 < out["first_draft_s"] <= out["total_s"]
     after = usage(env.v.url)
+    assert all("warmed up in" in d.log() for d in [*drafters, env.v])  # before serving, not on a request
     assert after.loads - before.loads >= 4 and after.calls - before.calls >= 4 * 3
     assert after.forwards - before.forwards <= after.calls - before.calls
 
