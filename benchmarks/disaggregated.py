@@ -307,6 +307,7 @@ def plots(summary, rates, out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     files = []
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -319,6 +320,9 @@ def plots(summary, rates, out: Path) -> list[str]:
     ax.axhline(1.5, color="gray", lw=0.8, ls="--")
     ax.axvline(1.0, color="gray", lw=0.8, ls=":")
     ax.set_xscale("log")
+    ax.set_xticks([0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("remote fetch time / decode time (full-KV baseline; links emulated on the CPU)")
     ax.set_ylabel("mean latency: full-KV fetch / verified")
     ax.legend(fontsize=7)

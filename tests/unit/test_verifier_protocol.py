@@ -124,6 +124,8 @@ def test_config_checks_the_verifier_url_and_hides_its_password():
         RemoteCacheConfig(verifier="udp://h:1")
     with pytest.raises(ValueError, match="verifier_timeout_s"):
         RemoteCacheConfig(verifier="tcp://h:1", verifier_timeout_s=0)
+    with pytest.raises(ValueError, match="verifier_load_timeout_s"):
+        RemoteCacheConfig(verifier="tcp://h:1", verifier_load_timeout_s=-1.0)
     cfg = RemoteCacheConfig(verifier="http://user:pw-s3cret@h:8000")
     assert "pw-s3cret" not in repr(cfg) and "verifier='http://***@h:8000'" in repr(cfg)
 

@@ -37,6 +37,9 @@ def add_drafter_args(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one, printed)")
     p.add_argument("--verifier", default=None, help="tcp://HOST:PORT (vericache verifier) or http://HOST:PORT (vLLM)")
     p.add_argument("--verifier-timeout-s", type=float, default=VERIFY_TIMEOUT_S, help="per verify call")
+    p.add_argument(
+        "--verifier-load-timeout-s", type=float, default=30.0, help="the first call (it waits for the full-KV load)"
+    )
     p.add_argument("--compressor", default=STORE_DEFAULT, help="the compressed copy drafts run on")
     p.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")
     p.add_argument("--draft-layout", default="auto", help="draft cache layout: auto, paged, dense, materialized")

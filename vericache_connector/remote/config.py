@@ -60,7 +60,10 @@ class RemoteCacheConfig:
     # The token shared with the verifier: this file (a mounted Secret), else $VERICACHE_VERIFIER_TOKEN_FILE /
     # $VERICACHE_VERIFIER_TOKEN (never a command-line value)
     verifier_token_file: str | None = None
-    verifier_timeout_s: float = 5.0  # one verify call (the first also covers the verifier's full-KV load)
+    verifier_timeout_s: float = 5.0  # one verify call
+    # the opening call: its answer waits for the verifier's full-KV load, queued behind other requests' loads
+    # (the drafter drafts on meanwhile); a verifier silent this long is a fault like any other
+    verifier_load_timeout_s: float = 30.0
 
     def __post_init__(self):
         scheme = self.url.split("://", 1)[0].lower() if isinstance(self.url, str) and "://" in self.url else None
@@ -93,8 +96,9 @@ class RemoteCacheConfig:
             raise ValueError(
                 f"bad verifier URL {shown_url(self.verifier)}: expected tcp://HOST:PORT or http(s)://HOST:PORT"
             )
-        if self.verifier_timeout_s <= 0:
-            raise ValueError(f"verifier_timeout_s must be > 0, got {self.verifier_timeout_s}")
+        for name in ("verifier_timeout_s", "verifier_load_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     def __repr__(self) -> str:
         shown = ", ".join(

@@ -87,7 +87,7 @@ class VerifiedDecode:
         self.done = False
         self.sent: int | None = None  # drafts in the call in flight
 
-    def _send(self, drafts: list[int], q: bytes = b"") -> None:
+    def _send(self, drafts: list[int], q: bytes = b"", timeout_s: float | None = None) -> None:
         self.seq += 1
         d = self.decode
         self.client.send(
@@ -103,13 +103,15 @@ class VerifiedDecode:
                 float(d.temperature),
                 int(d.seed or 0),
                 q,
-            )
+            ),
+            timeout_s,
         )
         self.sent = len(drafts)
 
-    def open(self) -> None:
-        """The first call (no drafts): the verifier starts loading the full KV and answers the first token."""
-        self._send([], b"")
+    def open(self, timeout_s: float | None = None) -> None:
+        """The first call (no drafts): the verifier starts loading the full KV and answers the first token
+        (timeout_s: for this call, which waits for that load; None: the client's per-call timeout)."""
+        self._send([], b"", timeout_s)
 
     def abandon(self) -> None:
         self.client.release(self.request)

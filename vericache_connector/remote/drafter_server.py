@@ -183,6 +183,7 @@ def main(args) -> int:
         verifier=args.verifier,
         verifier_token_file=args.token_file,
         verifier_timeout_s=args.verifier_timeout_s,
+        verifier_load_timeout_s=args.verifier_load_timeout_s,
     )
     from ..draft import DraftConfig
 

@@ -44,7 +44,7 @@ class OpenAIVerifier:
         self._token = token
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vericache-vllm-verify")
         self._fut: concurrent.futures.Future | None = None
-        self.deadline = 0.0
+        self.deadline, self.waits_s = 0.0, timeout_s
 
     def __repr__(self) -> str:
         return f"<OpenAIVerifier {self.base}>"
@@ -54,7 +54,8 @@ class OpenAIVerifier:
         if call.temperature > 0:
             raise rpc.VerifierError("the vLLM verifier backend checks greedy drafts only")
         self._fut = self._pool.submit(self._verify, call)
-        self.deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self.waits_s = self.timeout_s if timeout_s is None else timeout_s
+        self.deadline = time.monotonic() + self.waits_s
 
     def poll(self, wait_s: float = 0.0):
         left = min(wait_s, self.deadline - time.monotonic())
@@ -63,7 +64,7 @@ class OpenAIVerifier:
         except concurrent.futures.TimeoutError:
             if time.monotonic() >= self.deadline:
                 self._fut.cancel()
-                raise rpc.VerifierUnavailable(f"vLLM verifier {self.base}: no answer within {self.timeout_s}s")
+                raise rpc.VerifierUnavailable(f"vLLM verifier {self.base}: no answer within {self.waits_s}s")
             return None
 
     def release(self, request: str) -> None:

@@ -330,7 +330,7 @@ class RemotePrefixCache:
         name = self.cfg.model_name or self.engine.model_name
         session = VerifiedDecode(self.verifier, name, ids, len(r.prefix), r.decode, self.engine.model.cfg)
         try:
-            session.open()
+            session.open(self.cfg.verifier_load_timeout_s)
         except Exception as e:  # down, or refuses this request: the path without a verifier
             logger.warning("verifier %s not used (%s: %s)", self.cfg.verifier, type(e).__name__, e)
             return None

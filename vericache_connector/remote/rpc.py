@@ -195,7 +195,7 @@ class VerifierClient:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
         self._sock.connect(self.endpoint)
         self._expect: tuple[str, int] | None = None
-        self.deadline = 0.0
+        self.deadline, self.waits_s = 0.0, timeout_s
 
     def __repr__(self) -> str:
         return f"<VerifierClient {self.url}>"  # never the token
@@ -217,7 +217,8 @@ class VerifierClient:
             self._expect = (call.request, call.seq)
         elif isinstance(call, Stats):
             self._expect = ("", -1)
-        self.deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self.waits_s = self.timeout_s if timeout_s is None else timeout_s
+        self.deadline = time.monotonic() + self.waits_s
 
     def poll(self, wait_s: float = 0.0) -> Answer | None:
         """The answer to the call in flight, or None if it has not come within wait_s (raises
@@ -234,7 +235,7 @@ class VerifierClient:
                 continue
             if time.monotonic() >= self.deadline:
                 self._expect = None
-                raise VerifierUnavailable(f"verifier {self.url}: no answer within {self.timeout_s}s")
+                raise VerifierUnavailable(f"verifier {self.url}: no answer within {self.waits_s}s")
             if time.monotonic() >= end:
                 return None
 

@@ -49,7 +49,9 @@ def env(engine, tmp_path_factory):
 
 
 def ask(engine, env, decode=CFG, **kw):
-    cfg = RemoteCacheConfig(url=env.store, verifier=env.v.url, verifier_timeout_s=60.0, timeout_s=30.0, **kw)
+    cfg = RemoteCacheConfig(
+        url=env.store, verifier=env.v.url, verifier_timeout_s=60.0, verifier_load_timeout_s=60.0, timeout_s=30.0, **kw
+    )
     with RemotePrefixCache(engine, cfg) as cache:
         return cache.generate(env.ids, decode)
 

@@ -47,8 +47,14 @@ def env(engine, tmp_path_factory):
         os.environ.pop("VERICACHE_VERIFIER_TOKEN", None)
 
 
-def ask(engine, env, verifier_url: str, decode=CFG, timeout_s: float = 2.0):
-    cfg = RemoteCacheConfig(url=env.store, verifier=verifier_url, verifier_timeout_s=timeout_s, timeout_s=30.0)
+def ask(engine, env, verifier_url: str, decode=CFG, timeout_s: float = 2.0, load_timeout_s: float | None = None):
+    cfg = RemoteCacheConfig(
+        url=env.store,
+        verifier=verifier_url,
+        verifier_timeout_s=timeout_s,
+        verifier_load_timeout_s=load_timeout_s or timeout_s,
+        timeout_s=30.0,
+    )
     with RemotePrefixCache(engine, cfg) as cache:
         return cache.generate(env.ids, decode)
 
@@ -69,7 +75,7 @@ def test_verifier_hung(engine, env, caplog):
     fake = fake_verifier("silent", str(env.logs / "silent.log"))
     try:
         t0 = time.monotonic()
-        res = ask(engine, env, fake.url, timeout_s=1.5)
+        res = ask(engine, env, fake.url, timeout_s=0.5, load_timeout_s=1.5)  # silent on the opening call
     finally:
         fake.stop()
     assert res.tokens == env.ref[24]

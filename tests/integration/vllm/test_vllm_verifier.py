@@ -53,7 +53,9 @@ def test_drafts_verified_by_vllm_are_vllms_greedy_output(engine, model_dir, tmp_
             time.sleep(0.2)
         url = f"http://127.0.0.1:{srv.port}"
         decode = DecodeConfig(max_new_tokens=NEW, draft_k=8, stop_at_eos=False)
-        remote = RemoteCacheConfig(url=store, verifier=url, verifier_timeout_s=300.0, timeout_s=60.0)
+        remote = RemoteCacheConfig(
+            url=store, verifier=url, verifier_timeout_s=300.0, verifier_load_timeout_s=300.0, timeout_s=60.0
+        )
         with RemotePrefixCache(engine, remote) as cache:
             res = cache.generate(ids, decode)
         calls = len(re.findall(r"POST /v1/completions", srv.log()))
