@@ -169,15 +169,16 @@ class VeriCacheEngine:
         positions = torch.tensor([p.num_tokens for p in prefills], device=self.model.device)
         return autoregressive_decode(self.model, cache, self.first_tokens(prefills, cfg), positions, cfg, on_tokens)
 
-    def warm_up(self, compressor: str = "kivi4") -> float:
-        """Run each path once on a short prompt (prefill, a compressed copy, its draft cache, draft and
-        verify forwards, plain decoding), so that a server's first request does not pay the one-time costs
-        (lazy kernel imports, allocator growth: about 1.5 s for the first paged draft cache on the CPU).
-        Returns the seconds it took."""
+    def warm_up(self, compressor: str | None = None) -> float:
+        """Run the paths a server uses once on a short prompt (prefill and plain decoding; with `compressor`
+        also a compressed copy, its draft cache and draft / verify forwards), so that its first request does
+        not pay the one-time costs (lazy kernel imports, allocator growth: about 1.5 s for the first paged
+        draft cache on the CPU). Returns the seconds it took."""
         t0 = time.perf_counter()
         pre = self.prefill(list(range(1, 65)))
         cfg = DecodeConfig(max_new_tokens=4, draft_k=2)
-        self.generate([pre], [get_compressor(compressor).compress(pre.prefix)], cfg)
+        if compressor is not None:  # a drafter; the verifier runs only full-KV forwards
+            self.generate([pre], [get_compressor(compressor).compress(pre.prefix)], cfg)
         self.generate_full([pre], cfg)
         return time.perf_counter() - t0
 

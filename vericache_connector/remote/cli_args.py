@@ -5,7 +5,7 @@ $VERICACHE_VERIFIER_TOKEN_FILE (a mounted Secret) / $VERICACHE_VERIFIER_TOKEN or
 
 from __future__ import annotations
 
-from .config import DEFAULT_TIMEOUT_S, STORE_DEFAULT
+from .config import DEFAULT_TIMEOUT_S, STORE_DEFAULT, VERIFIER_LOAD_TIMEOUT_S
 from .rpc import DEFAULT_PORT, MAX_CALL_BYTES
 from .rpc import DEFAULT_TIMEOUT_S as VERIFY_TIMEOUT_S
 
@@ -38,7 +38,10 @@ def add_drafter_args(p) -> None:
     p.add_argument("--verifier", default=None, help="tcp://HOST:PORT (vericache verifier) or http://HOST:PORT (vLLM)")
     p.add_argument("--verifier-timeout-s", type=float, default=VERIFY_TIMEOUT_S, help="per verify call")
     p.add_argument(
-        "--verifier-load-timeout-s", type=float, default=30.0, help="the first call (it waits for the full-KV load)"
+        "--verifier-load-timeout-s",
+        type=float,
+        default=VERIFIER_LOAD_TIMEOUT_S,
+        help="the first call (it waits for the full-KV load)",
     )
     p.add_argument("--compressor", default=STORE_DEFAULT, help="the compressed copy drafts run on")
     p.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")

@@ -14,6 +14,8 @@ from storage_backends.base import query_options
 
 SCHEMES = ("local", "redis", "rediss", "s3", "nixl")
 DEFAULT_TIMEOUT_S = 5.0  # a lookup, a compressed fetch, one layer of the full stream (then: recompute)
+# the verifier's opening call: its answer waits for the request's full-KV load, queued behind other loads
+VERIFIER_LOAD_TIMEOUT_S = 30.0
 
 
 def shown_url(url: object) -> str:
@@ -63,7 +65,7 @@ class RemoteCacheConfig:
     verifier_timeout_s: float = 5.0  # one verify call
     # the opening call: its answer waits for the verifier's full-KV load, queued behind other requests' loads
     # (the drafter drafts on meanwhile); a verifier silent this long is a fault like any other
-    verifier_load_timeout_s: float = 30.0
+    verifier_load_timeout_s: float = VERIFIER_LOAD_TIMEOUT_S
 
     def __post_init__(self):
         scheme = self.url.split("://", 1)[0].lower() if isinstance(self.url, str) and "://" in self.url else None

@@ -33,7 +33,7 @@ MAX_DRAFTS = 64
 MAX_CALL_BYTES = 8 << 20  # a greedy call is a few KiB; sampling adds 4 * vocab bytes per draft
 MAX_ANSWER_BYTES = 1 << 20
 DEFAULT_PORT = 8477
-DEFAULT_TIMEOUT_S = 5.0  # one verify call (the first one also waits for the verifier's full-KV load)
+DEFAULT_TIMEOUT_S = 5.0  # one verify call (the opening one: RemoteCacheConfig.verifier_load_timeout_s)
 
 
 # ---- messages ---------------------------------------------------------------------------------------

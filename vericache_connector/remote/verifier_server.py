@@ -220,7 +220,7 @@ def main(args) -> int:
     logger.setLevel(logging.INFO)  # loads, expiries and refusals are the service's log
     store_cfg = store_config(args)
     engine = VeriCacheEngine.from_pretrained(args.model)
-    warm_s = engine.warm_up()  # before it serves: the first calls do not pay one-time costs
+    warm_s = engine.warm_up()  # full-KV forwards, before it serves: the first calls do not pay one-time costs
     core = VerifierCore(
         engine.model,
         engine.model_name,
