@@ -360,7 +360,7 @@ def main(argv=None) -> int:
 
     from storage_backends import stored_prefix_len
     from vericache_connector.data import load_prompts
-    from vericache_connector.engine import resolve_model_dir
+    from vericache_connector.model import resolve_model_dir
 
     redis = os.environ.get("VERICACHE_REDIS_URL")
     if not redis:

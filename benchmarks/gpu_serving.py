@@ -109,7 +109,7 @@ class Replay:
 def build(smoke: bool, device: str, dtype):
     import torch
 
-    from vericache_connector.engine.model import CausalLM, ModelConfig
+    from vericache_connector.model.causal_lm import CausalLM, ModelConfig
 
     shape = TINY if smoke else BIG
     cfg = ModelConfig(
@@ -129,7 +129,7 @@ def build(smoke: bool, device: str, dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=g)
-    from vericache_connector.engine.model import rope_inv_freq
+    from vericache_connector.model.causal_lm import rope_inv_freq
 
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval()

@@ -27,7 +27,7 @@ import bench_paths
 
 def build(layers: int, smoke: bool, device: str, dtype: torch.dtype):
     bench_paths.setup()
-    from vericache_connector.engine.model import CausalLM, ModelConfig
+    from vericache_connector.model.causal_lm import CausalLM, ModelConfig
 
     big = dict(
         vocab_size=128256,

@@ -105,8 +105,8 @@ def make_prompts(engine, n: int, lo: int, hi: int, seed: int) -> list[list[int]]
 
 def reference_cache(model: str | None, dtype) -> Path:
     from storage_backends.identity import model_fingerprint
-    from vericache_connector.engine import resolve_model_dir
-    from vericache_connector.engine.model_loader import cache_root
+    from vericache_connector.model import resolve_model_dir
+    from vericache_connector.model.loader import cache_root
 
     d = cache_root() / "bench-references" / model_fingerprint(resolve_model_dir(model), str(dtype))
     d.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from vericache_connector.data import load_prompts
     from vericache_connector.engine import VeriCacheEngine
-    from vericache_connector.engine.model_loader import resolve_model_dir
+    from vericache_connector.model.loader import resolve_model_dir
 
     from vllm_server import ServerConfig
 

@@ -182,12 +182,15 @@ class DualCopyStore:
         out = []
         for c in batch:
             part = [{k: t.narrow(token_dim, c.start, c.end - c.start) for k, t in layer.items()} for layer in layers]
-            out.append(self._encode(c, FULL, {"token_dim": token_dim}, part, c.start, c.end))
+            out.append(self.encode(c, FULL, {"token_dim": token_dim}, part, c.start, c.end))
         return out
 
-    def _encode(
+    def encode(
         self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers, start: int, end: int
     ) -> tuple[Manifest, bytes]:
+        """One copy of one chunk as this store writes it: (its manifest, its payload). Store the payload under
+        `manifest.payload_key` and then `manifest.to_bytes(mac)` under `manifest.key` (manifest last), and
+        every reader of this store checks it as its own (the LMCache L2 adapter writes LMCache's chunks so)."""
         data, spans = serialize(meta, layers)
         whole = checksum(data, self.algo, self._mac)
         view = memoryview(data)
@@ -212,7 +215,7 @@ class DualCopyStore:
     async def _put_copy(
         self, chunk: ChunkKey, spec: str, meta: Mapping[str, Any], layers: Layers, start: int, end: int, overwrite: bool
     ) -> int:
-        m, data = await asyncio.to_thread(self._encode, chunk, spec, meta, layers, start, end)
+        m, data = await asyncio.to_thread(self.encode, chunk, spec, meta, layers, start, end)
         if not overwrite:
             old = await self.backend.get(m.key)
             if old is not None:

@@ -65,6 +65,11 @@ def dtype_str(dtype: torch.dtype | str) -> str:
     raise ValueError(f"unsupported dtype {dtype!r}")
 
 
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch.dtype of an LMCache dtype name (or of anything dtype_str accepts)."""
+    return _STR_DTYPE[dtype_str(dtype)]
+
+
 def check_spec(spec: str) -> str:
     """A copy spec ('full' or a compressor spec like 'kivi:bits=4,group=32')."""
     if not isinstance(spec, str) or not _SPEC_RE.match(spec):
@@ -123,7 +128,7 @@ class KeySpace:
     """Keys of one model + KV dtype (+ TP layout). Other models/dtypes never collide.
 
     hashing: "vericache" (chain_hashes) or "lmcache" (the chunk hashes of LMCache's multiprocess server,
-      lmcache_keys.lmcache_chain_hashes), to share a store with an LMCache server (lmcache_l2_adapter.py).
+      lmcache_keys.lmcache_chain_hashes), to share a store with an LMCache server (integration/lmcache/l2_adapter.py).
     cache_salt: LMCache's per-tenant salt: entries under one salt are invisible under any other ('' none).
     """
 

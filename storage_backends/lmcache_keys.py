@@ -1,7 +1,7 @@
 """LMCache's keys in ours: what both LMCache integrations share.
 
-Used by the legacy ``remote_storage_plugins`` connector (lmcache_plugin.py), the multiprocess-mode L2
-adapter (lmcache_l2_adapter.py) and, through ``KeySpace(hashing="lmcache", cache_salt=...)``, every
+Used by the legacy ``remote_storage_plugins`` connector (integration/lmcache/plugin.py), the multiprocess-mode L2
+adapter (integration/lmcache/l2_adapter.py) and, through ``KeySpace(hashing="lmcache", cache_salt=...)``, every
 VeriCache reader and writer that shares a store with an LMCache server.
 
 - Model identity: ``resolve_model_id`` turns the options ``model_id`` / ``model_dir`` (+ ``model_name``,

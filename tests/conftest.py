@@ -91,7 +91,7 @@ def reference(engine, prefills, greedy_cfg, tmp_path_factory):
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     """The bundled model's converted checkpoint directory (converted once per machine)."""
-    from vericache_connector.engine import resolve_model_dir
+    from vericache_connector.model import resolve_model_dir
 
     return str(resolve_model_dir(None))
 

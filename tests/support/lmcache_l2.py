@@ -25,8 +25,12 @@ import uuid
 import torch
 
 CHUNK = 256
-ADAPTER = {"type": "plugin", "module_path": "storage_backends.lmcache_l2_adapter", "class_name": "VeriCacheL2Adapter"}
-TAP_MODULE = {"module_path": "storage_backends.lmcache_chain_tap"}
+ADAPTER = {
+    "type": "plugin",
+    "module_path": "vericache_connector.integration.lmcache.l2_adapter",
+    "class_name": "VeriCacheL2Adapter",
+}
+TAP_MODULE = {"module_path": "vericache_connector.integration.lmcache.chain_tap"}
 
 
 def adapter_spec(params: dict, **outer) -> str:
@@ -58,7 +62,7 @@ def object_keys(tokens, model: str, salt: str = "", start: int = 0, end: int | N
     from lmcache.v1.distributed.api import ipc_key_to_object_keys
     from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
-    from storage_backends.lmcache_chain_tap import observe
+    from vericache_connector.integration.lmcache.chain_tap import observe
 
     end = len(tokens) // CHUNK * CHUNK if end is None else end
     ipc = IPCCacheServerKey(model, 1, 0, tuple(tokens), start, end, f"req-{uuid.uuid4().hex[:6]}", cache_salt=salt)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from vericache_connector.engine import VeriCacheEngine
-from vericache_connector.engine.model import CausalLM, ModelConfig
+from vericache_connector.model.causal_lm import CausalLM, ModelConfig
 
 # tiny_config() as a Hugging Face config.json says it (for tests that write checkpoint folders)
 TINY_HF_CONFIG = {

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import save_file
 
 from vericache_connector.cli import main
-from vericache_connector.engine.model import CausalLM
+from vericache_connector.model.causal_lm import CausalLM
 
 from tiny_model import TINY_HF_CONFIG, tiny_config
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from storage_backends import KeySpace
-from storage_backends.lmcache_chain_tap import ChainTap
 from storage_backends.lmcache_keys import ModelNaming, check_salt, kv_rank_layout, lmcache_chain_hashes, salt_tag
+from vericache_connector.integration.lmcache.chain_tap import ChainTap
 
 from stores import has_module, need, random_tokens
 
@@ -79,7 +79,7 @@ def test_chain_tap_links_and_bounds(caplog):
 
 def test_l2_settings_validate_and_hide_the_password(monkeypatch):
     need(has_module("lmcache"), "lmcache is not installed")
-    from storage_backends.lmcache_l2_config import L2Settings, VeriCacheL2AdapterConfig
+    from vericache_connector.integration.lmcache.l2_config import L2Settings, VeriCacheL2AdapterConfig
 
     monkeypatch.delenv("VERICACHE_STORE_URL", raising=False)
     url = "redis://:TOPSECRET@127.0.0.1:6379/0"

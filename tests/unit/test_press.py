@@ -14,7 +14,7 @@ from vericache_connector.compressors import LayeredKV, get_compressor  # noqa: E
 from vericache_connector.compressors import kvpress_bridge as kb  # noqa: E402
 from vericache_connector.compressors.heads import is_per_head  # noqa: E402
 from vericache_connector.engine import DecodeConfig, VeriCacheEngine  # noqa: E402
-from vericache_connector.engine.model import load_model  # noqa: E402
+from vericache_connector.model.causal_lm import load_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kb.kvpress_available(), reason="kvpress not installed")
 

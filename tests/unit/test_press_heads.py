@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from vericache_connector.compressors import LayeredKV
 from vericache_connector.compressors.heads import check_layer, head_kv, is_per_head, pack_heads, unpack_heads
 from vericache_connector.draft import DraftConfig, HeadSplitCache, make_draft_cache
-from vericache_connector.engine.kv_cache import KVCache
 from vericache_connector.engine.speculative import DecodeConfig, speculative_decode
+from vericache_connector.model.kv_cache import KVCache
 from vericache_kernels.paged import vllm_cpu_attention_available
 
 from tiny_model import tiny_engine

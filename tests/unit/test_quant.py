@@ -8,7 +8,7 @@ import torch
 
 from vericache_connector.compressors import LayeredKV, PrefixKV, get_compressor
 from vericache_connector.engine import DecodeConfig
-from vericache_connector.engine.model import apply_rope
+from vericache_connector.model.causal_lm import apply_rope
 from vericache_kernels.bitpack import unpack_bits_ref
 from vericache_kernels.kivi import kivi_dequantize_values, kivi_quantize_values
 from vericache_kernels.kvquant import (

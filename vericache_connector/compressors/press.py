@@ -122,7 +122,7 @@ class PressCompressor(Compressor):
     def model_dir(self) -> str:
         if self.model:
             return self.model
-        from ..engine.model_loader import resolve_model_dir
+        from ..model.loader import resolve_model_dir
 
         return str(resolve_model_dir(None))
 

@@ -1,6 +1,6 @@
 """Draft caches: what a draft step attends over, [compressed prompt prefix; exact KV of emitted tokens].
 
-Every layout is a RowCache (vericache_connector.engine.kv_cache): lengths[b] = entries of row b,
+Every layout is a RowCache (vericache_connector.model.kv_cache): lengths[b] = entries of row b,
 attend / advance / store_entries and the shared row-wise copy_from, so speculative_decode and the
 model take any of them. DraftConfig.layout picks one:
 
@@ -27,7 +27,7 @@ import torch
 
 from ..compressors import CompressedKV
 from ..compressors.heads import is_per_head
-from ..engine.kv_cache import RowCache
+from ..model.kv_cache import RowCache
 from .config import DTYPES, LAYOUTS, PAGED_DTYPES, DraftConfig
 from .dense import DenseDraftCache, compact_dtype, decode_rows, materialize
 from .headsplit import HeadSplitCache

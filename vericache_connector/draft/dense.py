@@ -15,7 +15,7 @@ import torch
 import vericache_kernels as K
 
 from ..compressors import CompressedKV
-from ..engine.kv_cache import KVCache
+from ..model.kv_cache import KVCache
 from .config import DTYPES, DraftConfig
 
 Tensor = torch.Tensor

@@ -24,7 +24,7 @@ import torch
 
 from ..compressors import CompressedKV
 from ..compressors.heads import head_kv
-from ..engine.kv_cache import KVCache, RowCache
+from ..model.kv_cache import KVCache, RowCache
 from .config import DraftConfig
 
 Tensor = torch.Tensor

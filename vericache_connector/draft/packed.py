@@ -16,7 +16,7 @@ import torch
 import vericache_kernels as K
 
 from ..compressors import CompressedKV
-from ..engine.kv_cache import RowCache
+from ..model.kv_cache import RowCache
 from .config import DraftConfig
 from .dense import check_layers, decode_rows
 

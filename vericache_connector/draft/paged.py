@@ -17,7 +17,7 @@ import torch
 
 import vericache_kernels.paged as PA
 
-from ..engine.kv_cache import RowCache
+from ..model.kv_cache import RowCache
 
 Tensor = torch.Tensor
 BLOCK_SIZE = 128

@@ -19,10 +19,10 @@ import torch
 
 from ..compressors import CompressedKV, PrefixKV, get_compressor
 from ..draft import DraftConfig, make_draft_cache, make_draft_model
-from .kv_cache import KVCache, RowCache
-from .model import CausalLM, load_model
-from .model_loader import memory_identity, model_identity, resolve_model_dir
-from .sampling import sample
+from ..model.causal_lm import CausalLM, load_model
+from ..model.kv_cache import KVCache, RowCache
+from ..model.loader import memory_identity, model_identity, resolve_model_dir
+from ..model.sampling import sample
 from .speculative import DecodeConfig, SpecStats, autoregressive_decode, speculative_decode
 
 Tensor = torch.Tensor

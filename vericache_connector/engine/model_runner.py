@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 import vericache_kernels.paged as PA
 
+from ..model.kv_cache import RowCache
 from .block_manager import KVPool
 from .host_tier import Reload
-from .kv_cache import RowCache
 from .sequence import Sequence
 
 Tensor = torch.Tensor

@@ -16,12 +16,12 @@ import time
 import torch
 
 from ..compressors import PrefixKV, get_compressor
+from ..model.sampling import accept_greedy, accept_sampling, probs, sample
 from .block_manager import BlockManager, BudgetExceeded, KVPool
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
 from .model_runner import ModelRunner
 from .planner import AcceptanceEstimate
 from .report import ServingReport, TimeSplit
-from .sampling import accept_greedy, accept_sampling, probs, sample
 from .scheduler import Scheduler, ServingConfig
 from .sequence import Phase, Request, Sequence
 

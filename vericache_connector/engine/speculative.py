@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import KVCache, RowCache
-from .model import CausalLM
-from .sampling import accept_greedy, accept_sampling, probs, sample
+from ..model.causal_lm import CausalLM
+from ..model.kv_cache import KVCache, RowCache
+from ..model.sampling import accept_greedy, accept_sampling, probs, sample
 
 Tensor = torch.Tensor
 

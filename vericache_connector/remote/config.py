@@ -47,7 +47,7 @@ class RemoteCacheConfig:
     # model given the same name shares (and trusts) the same entries.
     model_name: str | None = None
     # "lmcache": key chunks by LMCache's multiprocess-server chunk hashes, to read and write the prefixes an
-    # LMCache server stores through storage_backends/lmcache_l2_adapter.py (and its per-tenant cache_salt).
+    # LMCache server stores through vericache_connector/integration/lmcache/l2_adapter.py (and its per-tenant cache_salt).
     key_hashing: str = "vericache"
     cache_salt: str = ""
     # Integrity for stores shared with others: a keyed MAC over every manifest and payload (DualCopyStore's

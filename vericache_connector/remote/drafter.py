@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.sampling import probs
 from ..engine.speculative import DecodeConfig, SpecStats
+from ..model.sampling import probs
 from . import rpc
 
 logger = logging.getLogger("vericache.remote")

@@ -28,8 +28,8 @@ import torch
 
 from storage_backends import redact_url, stored_prefix_len
 
-from ..engine.sampling import sample
 from ..engine.speculative import DecodeConfig, autoregressive_decode
+from ..model.sampling import sample
 from .cli_args import store_config
 from .config import RemoteCacheConfig
 from .full_copy import stream_full_copy

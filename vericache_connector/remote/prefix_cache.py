@@ -41,9 +41,9 @@ import torch
 from storage_backends import CorruptObject, MissingObject, StoreUnavailable, stored_prefix_len
 
 from ..compressors import CompressedKV, LayeredKV, PrefixKV, get_compressor
-from ..engine.kv_cache import KVCache
 from ..engine.llm_engine import VeriCacheEngine
 from ..engine.speculative import DecodeConfig, SpecStats, speculative_decode
+from ..model.kv_cache import KVCache
 from .config import RemoteCacheConfig
 from .full_copy import stream_full_copy
 from .store_client import ClientClosed, StoreClient

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.kv_cache import KVCache, RowCache
-from ..engine.sampling import accept_greedy, accept_sampling, probs
+from ..model.kv_cache import KVCache, RowCache
+from ..model.sampling import accept_greedy, accept_sampling, probs
 from . import rpc
 
 Tensor = torch.Tensor

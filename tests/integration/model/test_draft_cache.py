@@ -14,8 +14,8 @@ import torch
 from vericache_connector.compressors import get_compressor
 from vericache_connector.draft import DenseDraftCache, DraftConfig, PackedDraftCache, make_draft_cache
 from vericache_connector.draft.paged import PagedDraftCache
-from vericache_connector.engine.kv_cache import KVCache
 from vericache_connector.engine.speculative import DecodeConfig, speculative_decode
+from vericache_connector.model.kv_cache import KVCache
 from vericache_kernels._dispatch import triton_available
 from vericache_kernels.paged import vllm_cpu_attention_available
 

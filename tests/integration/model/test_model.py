@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vericache_connector.engine.model import load_model
+from vericache_connector.model.causal_lm import load_model
 
 
 def hf_logits(model_dir, ids):
@@ -64,7 +64,7 @@ def test_matches_transformers_on_tiny_random_checkpoints(tmp_path, model_type):
 @pytest.mark.slow
 def test_matches_transformers_on_smollm2(engine):
     from vericache_connector.data import load_prompt
-    from vericache_connector.engine.model_loader import resolve_model_dir
+    from vericache_connector.model.loader import resolve_model_dir
 
     ids = torch.tensor([engine.encode(load_prompt("graphlib_py"))[:400]])
     ref = hf_logits(resolve_model_dir(None), ids)

@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 from vericache_connector.compressors import get_compressor
-from vericache_connector.engine.sampling import accept_sampling
 from vericache_connector.engine.speculative import DecodeConfig, speculative_decode
+from vericache_connector.model.sampling import accept_sampling
 
 
 def empirical(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""LMCache multiprocess mode: storage_backends/lmcache_l2_adapter.py as an ``lmcache server`` L2 tier.
+"""LMCache multiprocess mode: vericache_connector/integration/lmcache/l2_adapter.py as an ``lmcache server`` L2 tier.
 
 Adapter level (tests/support/lmcache_l2.py): built from the ``--l2-adapter`` JSON by LMCache's own parser
 and factory, keys from LMCache's TokenHasher / ipc_key_to_object_keys, tasks driven through the event
@@ -33,8 +33,8 @@ from lmcache_l2 import (
 )
 
 from storage_backends import DualCopyStore, open_backend
-from storage_backends.lmcache_chain_tap import TAP
 from vericache_connector.compressors import LayeredKV, get_compressor
+from vericache_connector.integration.lmcache.chain_tap import TAP
 
 from stores import free_port, has_module, need, random_tokens, run
 

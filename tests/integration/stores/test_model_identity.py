@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from storage_backends import DualCopyStore, Manifest
 from vericache_connector.engine import DecodeConfig, VeriCacheEngine
-from vericache_connector.engine.model import CausalLM
+from vericache_connector.model.causal_lm import CausalLM
 from vericache_connector.remote import RemoteCacheConfig, RemotePrefixCache
 
 from stores import has_module, run

@@ -36,7 +36,7 @@ def make_manager(url: str, **plugin_opts):
     )
     config.remote_storage_plugins = [PLUGIN]
     config.extra_config = {
-        f"remote_storage_plugin.{PLUGIN}.module_path": "storage_backends.lmcache_plugin",
+        f"remote_storage_plugin.{PLUGIN}.module_path": "vericache_connector.integration.lmcache.plugin",
         f"remote_storage_plugin.{PLUGIN}.class_name": "VeriCacheRemoteConnector",
         f"remote_storage_plugin.{PLUGIN}.url": url,
         **{f"remote_storage_plugin.{PLUGIN}.{k}": v for k, v in plugin_opts.items()},
@@ -87,7 +87,7 @@ def wait_for(pred, seconds=10):
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_storage_manager_round_trip_through_plugin(kind, request):
     from storage_backends import open_backend
-    from storage_backends.lmcache_plugin import VeriCacheRemoteConnector
+    from vericache_connector.integration.lmcache.plugin import VeriCacheRemoteConnector
 
     url = request.getfixturevalue(f"{kind}_url")
     manager, meta = make_manager(url)
@@ -146,7 +146,7 @@ def test_store_down_is_a_miss_and_close_does_not_hang():
 def test_missing_url_is_a_clear_error(monkeypatch):
     from types import SimpleNamespace
 
-    from storage_backends.lmcache_plugin import resolve_plugin_options
+    from vericache_connector.integration.lmcache.plugin import resolve_plugin_options
 
     monkeypatch.delenv("VERICACHE_STORE_URL", raising=False)
     with pytest.raises(ValueError, match="store URL"):
@@ -334,7 +334,7 @@ def test_model_identity_names_the_keys_and_a_mismatch_is_a_miss(memory_url, tmp_
     finally:
         close_within(manager_a)
         close_within(manager_b)
-    from storage_backends.lmcache_plugin import resolve_model_id
+    from vericache_connector.integration.lmcache.plugin import resolve_model_id
 
     with pytest.raises(ValueError, match="not both"):
         resolve_model_id({"model_dir": dir_a, "model_id": "x.1"}, torch.float16)

@@ -31,7 +31,7 @@ LAYERS, HEADS, DIM = 30, 3, 64
 
 def store_model() -> str:
     """How the connector names the converted bundled model in store keys (model_name_of: name.fingerprint)."""
-    from vericache_connector.engine.model_loader import model_identity, resolve_model_dir
+    from vericache_connector.model.loader import model_identity, resolve_model_dir
 
     return model_identity(resolve_model_dir(None), torch.float32)
 

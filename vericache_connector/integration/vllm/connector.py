@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from storage_backends import redact_url
 
 from ...compressors import get_compressor
-from ...engine.model_loader import config_identity, model_identity
+from ...model.loader import config_identity, model_identity
 from ...remote.store_client import StoreClient
 from .config import PROPOSER_CLASS, load_connector_config
 from .handoff import DraftHandoff

@@ -47,7 +47,7 @@ import torch
 from vllm.logger import init_logger
 
 from ...compressors import CompressedKV
-from ...engine.kv_cache import KVCache
+from ...model.kv_cache import KVCache
 from .handoff import DraftHandoff, find_handoff
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
@@ -129,7 +129,7 @@ class CompressedKVProposer:
     def load_model(self, *args, **kwargs) -> None:
         """Called by vLLM's model runner; our draft forward runs our own model over the same weights."""
         if self.model is None:
-            from ...engine.model import load_model
+            from ...model.causal_lm import load_model
 
             self.model = load_model(self.model_dir, device=self.device)  # float32 on CPU, bf16 on CUDA
             logger.info("VeriCache proposer: draft model loaded from %s, k=%d", self.model_dir, self.k)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache, RowCache
-from .model_loader import check_model_dir
+from .loader import check_model_dir
 
 Tensor = torch.Tensor
 
