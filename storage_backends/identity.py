@@ -5,14 +5,17 @@ organisations or revisions, must never share cache entries: their KV differs, an
 entry would silently change the output. So keys and manifests name the model by
 ``model_id(name, fingerprint)``: a readable name plus a digest over
 
-  - the architecture config (config.json, canonical JSON),
+  - the architecture config (config.json, canonical JSON): read and hashed on every call, never cached
+    (it is small, and editing it, say ``rope_theta``, changes the KV without touching a weight),
   - every weights file (*.safetensors: name, size and a BLAKE2b of the bytes),
   - the tokenizer files (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab files),
   - the KV dtype.
 
-Hashing the weights reads them once; the digest is cached beside the model (``.vericache-fingerprint.json``,
-or under $VERICACHE_CACHE_DIR when the folder is read-only) and reused while every file keeps its size
-and modification time.
+Hashing the weights reads them once; each file's digest is cached (``.vericache-fingerprint.json`` beside
+the model, or under $VERICACHE_CACHE_DIR when the folder is read-only) under the file's identity: device,
+inode, size, mtime and ctime. A copy (``cp -a`` keeps mtimes, and copies the cache file too) has new
+inodes, and an edit in place changes the ctime even when the mtime is set back, so either is re-hashed;
+the kernel sets the ctime, a user cannot restore it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 from pathlib import Path
 
 SIDECAR = ".vericache-fingerprint.json"
+CACHE_VERSION = 2  # v1 keyed the cache by (name, size, mtime) only: its entries are not trusted
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -43,9 +47,9 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _stat_key(path: Path) -> list:
-    st = path.stat()
-    return [path.name, st.st_size, st.st_mtime_ns]
+def _file_identity(st: os.stat_result) -> list[int]:
+    """What must all stay the same for a cached digest to be trusted (nanosecond times)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _cache_file(model_dir: Path) -> Path:
@@ -55,34 +59,56 @@ def _cache_file(model_dir: Path) -> Path:
     return root / (hashlib.blake2b(str(model_dir.resolve()).encode(), digest_size=8).hexdigest() + ".json")
 
 
+def _read_cache(cache: Path) -> dict:
+    try:
+        data = json.loads(cache.read_text())
+        files = data["files"] if data.get("version") == CACHE_VERSION else {}
+        return files if isinstance(files, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return {}
+
+
+def _digest_of(path: Path, cached: dict, fresh: dict) -> tuple[int, str]:
+    """(size, digest) of one file: from the cache if its identity is unchanged, else hashed now. The
+    identity is taken before and after hashing: a file written meanwhile is not cached."""
+    before = _file_identity(path.stat())
+    hit = cached.get(path.name)
+    if isinstance(hit, list) and len(hit) == 2 and hit[0] == before and isinstance(hit[1], str):
+        fresh[path.name] = hit
+        return before[2], hit[1]
+    digest = _file_digest(path)
+    if _file_identity(path.stat()) == before:
+        fresh[path.name] = [before, digest]
+    return before[2], digest
+
+
 def weights_digest(model_dir: str | os.PathLike) -> str:
-    """Digest of the checkpoint's files (config, weights, tokenizer), cached beside it."""
+    """Digest of the checkpoint's files (config, weights, tokenizer): config.json read now, the other
+    files' digests cached beside the checkpoint under each file's identity (module docstring)."""
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise ValueError(f"{str(d)!r} is not a model directory: no config.json")
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{str(d / 'config.json')!r} does not parse as JSON: {type(e).__name__}") from None
     files = sorted(d.glob("*.safetensors")) + [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
-    stats = [_stat_key(p) for p in files]
     cache = _cache_file(d)
-    try:
-        cached = json.loads(cache.read_text())
-        if cached.get("stats") == stats:
-            return cached["digest"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    cached, fresh = _read_cache(cache), {}
     h = hashlib.blake2b(digest_size=16)
-    config = json.loads((d / "config.json").read_text())
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    for p, (name, size, _) in zip(files, stats):
-        h.update(f"\0{name}\0{size}\0{_file_digest(p)}".encode())
-    digest = h.hexdigest()
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # several processes may hash at once
-        tmp.write_text(json.dumps({"stats": stats, "digest": digest}))
-        tmp.replace(cache)
-    except OSError:
-        pass  # a read-only place: recomputed next time
-    return digest
+    for p in files:
+        size, digest = _digest_of(p, cached, fresh)
+        h.update(f"\0{p.name}\0{size}\0{digest}".encode())
+    if fresh != cached:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # several processes may hash at once
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "files": fresh}))
+            tmp.replace(cache)
+        except OSError:
+            pass  # a read-only place: hashed again next time
+    return h.hexdigest()
 
 
 def model_fingerprint(model_dir: str | os.PathLike, dtype) -> str:

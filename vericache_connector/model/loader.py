@@ -114,8 +114,9 @@ def check_model_dir(path: Path) -> dict:
 
 def model_identity(model_dir: str | os.PathLike, dtype, name: str | None = None) -> str:
     """'name.fingerprint': how store keys and manifests name this checkpoint at this KV dtype (a
-    torch.dtype or its name); name defaults to the folder's. The fingerprint hashes config.json, the
-    *.safetensors bytes and the tokenizer files once and is cached beside the checkpoint
+    torch.dtype or its name); name defaults to the folder's. The fingerprint hashes config.json on every
+    call, and the *.safetensors and tokenizer bytes once per file identity (device, inode, size, mtime,
+    ctime: a copy or an in-place edit is hashed again), cached beside the checkpoint
     (storage_backends.identity)."""
     from storage_backends.identity import dir_model_id
 
