@@ -11,9 +11,10 @@ keyed BLAKE2b tag and every payload checksum is keyed, so a writer without the
 key cannot plant KV that a reader with the key accepts. With a key, an entry
 without a valid tag is a miss with a warning (lookup/has_compressed do not count
 it, get_compressed returns None, stream_full raises UnauthenticatedObject, a
-CorruptObject). A reader without a key finds entries written with one (lookup
-only checks presence then) but cannot load them: get_compressed returns None,
-stream_full raises UnauthenticatedObject.
+CorruptObject). A reader without a key does not count entries written with one
+either: lookup and has_compressed read and check the manifests with or without a
+key (a manifest is a few KiB), so what they report present is what the reader
+can load.
 Payload reads are bounded by the manifest's size (a range read of size + 1
 bytes), so a planted huge object is never read whole.
 """
@@ -165,7 +166,7 @@ class DualCopyStore:
                     )
         present = [False] * len(chunks)
         if not overwrite:
-            present = await self.backend.exists_many([c.copy(FULL) for c in chunks])
+            present = await self._full_present(chunks)
         todo = [c for c, p in zip(chunks, present) if not p]
         result.full_chunks_present = len(chunks) - len(todo)
         per_token = sum(t.numel() * t.element_size() for layer in layers for t in layer.values()) / n
@@ -177,6 +178,21 @@ class DualCopyStore:
             await self.backend.put_many({m.key: m.to_bytes(self._mac) for m, _ in encoded})  # manifests last
             result.full_chunks_written += len(batch)
             result.full_bytes += sum(len(d) for _, d in encoded)
+
+    async def _full_present(self, chunks: list[ChunkKey]) -> list[bool]:
+        """Which chunks' full copies need no write: a manifest that checks, or one under another key
+        regime (with a MAC where this store has none, or the reverse: not this writer's to replace). A
+        corrupt manifest is rewritten: lookup reports it missing, so nothing else would repair it."""
+        keys = [c.copy(FULL) for c in chunks]
+        out = []
+        for c, key, raw in zip(chunks, keys, await self.backend.get_many(keys)):
+            try:
+                out.append(raw is not None and self._check_full(c, key, raw) is not None)
+            except UnauthenticatedObject:
+                out.append(True)
+            except CorruptObject:
+                out.append(False)
+        return out
 
     def _encode_chunks(self, batch: list[ChunkKey], layers: Layers, token_dim: int):
         out = []
@@ -230,35 +246,28 @@ class DualCopyStore:
 
     # ---------------------------------------------------------------- reads
     async def lookup(self, token_ids: Sequence[int]) -> int:
-        """Number of leading tokens whose full copy is stored (manifests present; with a MAC key,
-        present and authentic: the manifests are read and checked)."""
+        """Number of leading tokens whose full copy is stored and readable by this store: the manifests
+        are read and checked (this model, the chunk's tokens, and a valid MAC with a key, none without:
+        a reader without the key does not count keyed entries it could not load)."""
         chunks = self.keys.chunks(token_ids)
         if not chunks:
             return 0
         keys = [c.copy(FULL) for c in chunks]
-        if self._mac is None:
-            found = await self.backend.exists_many(keys)
-        else:
-            found = []
-            for c, key, raw in zip(chunks, keys, await self.backend.get_many(keys)):
-                try:
-                    found.append(raw is not None and self._check_full(c, key, raw) is not None)
-                except CorruptObject as e:
-                    logger.warning("full copy of tokens [%d, %d) is a miss: %s", c.start, c.end, e)
-                    found.append(False)
-                if not found[-1]:
-                    break
         hit = 0
-        for c, ok in zip(chunks, found):
+        for c, key, raw in zip(chunks, keys, await self.backend.get_many(keys)):
+            try:
+                ok = raw is not None and self._check_full(c, key, raw) is not None
+            except CorruptObject as e:
+                logger.warning("full copy of tokens [%d, %d) is a miss: %s", c.start, c.end, e)
+                ok = False
             if not ok:
                 break
             hit = c.end
         return hit
 
     async def has_compressed(self, token_ids: Sequence[int], spec: str) -> bool:
+        """Whether compressed copy ``spec`` of exactly this prefix is stored and its manifest checks."""
         key = self.keys.prefix_key(token_ids).copy(check_spec(spec))
-        if self._mac is None:
-            return await self.backend.exists(key)
         try:
             return await self._manifest(key) is not None
         except CorruptObject:

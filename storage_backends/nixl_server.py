@@ -45,14 +45,18 @@ TOKEN_PERSON = b"vericache-nixl"
 
 
 class FrameError(ValueError):
-    """A control frame that is too long or not a JSON object."""
+    """A control frame that is too long, nests too deeply or is not a JSON object."""
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict:
     (n,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
     if n > limit:
         raise FrameError(f"control frame of {n} bytes, limit {limit}")
-    msg = json.loads(await reader.readexactly(n))
+    body = await reader.readexactly(n)
+    try:
+        msg = json.loads(body)
+    except RecursionError:  # deeply nested JSON: a bad frame like any other, not a traceback in the log
+        raise FrameError(f"control frame of {n} bytes nests too deeply") from None
     if not isinstance(msg, dict):
         raise FrameError(f"control frame is a JSON {type(msg).__name__}, not an object")
     return msg
@@ -299,7 +303,7 @@ class NixlStoreServer:
                     req = await asyncio.wait_for(read_frame(reader, UNAUTH_FRAME), HELLO_TIMEOUT_S)
                 try:
                     resp = self.handle(req, conn)
-                except (KeyError, TypeError, ValueError) as e:
+                except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(1e999) is an OverflowError
                     resp = {"error": f"bad request: {type(e).__name__}: {e}"}
                 writer.write(frame(resp))
                 await writer.drain()
