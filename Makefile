@@ -23,9 +23,13 @@ demo: install
 
 # Everything (what CI runs), on JOBS pytest-xdist workers (the tests sharing a module's server stay on one
 # worker; the session's prefills are computed once and shared); the 25 slowest tests are listed at the end.
+# .ci/with-services.sh starts the stores the tests talk to (redis-server, a moto S3 server on 127.0.0.1)
+# and stops them after; a test whose server cannot start skips, named with the reason in the last lines.
+# TESTS: a subset, e.g. `make test JOBS=0 TESTS=tests/integration/stores/test_storage_backends.py`.
 JOBS ?= 2
+TESTS ?=
 test: install
-	$(PYTEST) -n $(JOBS) --dist loadgroup --durations=25
+	.ci/with-services.sh $(VENV) $(PYTEST) -n $(JOBS) --dist loadgroup --durations=25 $(TESTS)
 
 # While working: the unit tests and the other fast ones (no real-model decoding, no live servers).
 test-fast: install

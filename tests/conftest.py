@@ -114,7 +114,7 @@ def disk_url(tmp_path):
 @pytest.fixture
 def redis_url():
     url = os.environ.get("VERICACHE_REDIS_URL")
-    need(bool(url), "VERICACHE_REDIS_URL is not set (start redis with: source .ci/services.sh)")
+    need(bool(url), os.environ.get("VERICACHE_REDIS_DOWN") or "VERICACHE_REDIS_URL is not set (make test starts one)")
     need(has_module("redis"), "python package 'redis' is not installed")
     return f"{url}?prefix=t{uuid.uuid4().hex[:10]}:"
 
@@ -122,7 +122,9 @@ def redis_url():
 @pytest.fixture
 def s3_url():
     endpoint = os.environ.get("VERICACHE_S3_ENDPOINT")
-    need(bool(endpoint), "VERICACHE_S3_ENDPOINT is not set (start moto_server with: source .ci/services.sh)")
+    need(
+        bool(endpoint), os.environ.get("VERICACHE_S3_DOWN") or "VERICACHE_S3_ENDPOINT is not set (make test starts one)"
+    )
     need(has_module("boto3"), "python package 'boto3' is not installed")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")  # moto test dummies
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -159,6 +161,24 @@ def private_redis(tmp_path):
     r = RedisProcess(str(tmp_path))
     yield r
     r.kill()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after pytest's own short test summary
+def pytest_terminal_summary(terminalreporter):
+    """The run's last line before pytest's counts: how many tests skipped, grouped by reason (a store test skips
+    only when its server could not start: make test starts redis-server and a moto S3 server itself)."""
+    from collections import Counter
+
+    result = yield
+    reasons = Counter(
+        str(r.longrepr[2]).removeprefix("Skipped: ")
+        for r in terminalreporter.stats.get("skipped", [])
+        if isinstance(r.longrepr, tuple) and len(r.longrepr) == 3
+    )
+    if reasons:
+        why = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common())
+        terminalreporter.write_line(f"skipped {sum(reasons.values())} tests: {why}", yellow=True, bold=True)
+    return result
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks

@@ -1,9 +1,11 @@
 """Helpers for the tests that talk to stores: fault injectors (a private killable redis-server, a
 relay that drops connections, a server that never answers), random KV, and `need`.
 
-The store URL fixtures that use them live in tests/conftest.py. Servers come from .ci/services.sh:
-VERICACHE_REDIS_URL, VERICACHE_S3_ENDPOINT. A test whose server (or package) is missing is SKIPPED
-with the reason locally, and FAILS in CI (CI=true), so a broken CI setup cannot pass silently.
+The store URL fixtures that use them live in tests/conftest.py. Servers come from .ci/services.sh, which
+`make test` runs (.ci/with-services.sh): VERICACHE_REDIS_URL, VERICACHE_S3_ENDPOINT, or, for a server that
+could not start, VERICACHE_REDIS_DOWN / VERICACHE_S3_DOWN naming why. A test whose server (or package) is
+missing is SKIPPED with the reason locally, and FAILS in CI (CI=true), so a broken CI setup cannot pass
+silently.
 """
 
 from __future__ import annotations
