@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--draft-weights", default="model", help="--single: draft forward weights: model, bfloat16, int8")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    sub.add_parser("list", help="list compressors, presets and bundled prompts")
+    sub.add_parser("list", help="list every compressor preset by kind, with what each needs, and the bundled prompts")
     add_remote_parsers(sub)
     return p
 
@@ -200,11 +200,29 @@ def cmd_serving_demo(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .compressors import PRESETS, compressor_names
+    """Every preset, by kind, with what it needs beyond the prefix's keys and values."""
+    from .compressors import NEED_TEXT, NEEDS, compressor_names, preset_groups
+    from .compressors.kvpress_bridge import kvpress_available
     from .data import prompt_names
 
-    print("compressors:", ", ".join(compressor_names()))
-    print("presets:", ", ".join(f"{k} ({v})" for k, v in sorted(PRESETS.items())))
+    def needs(spec: str) -> str:
+        missing = "kvpress (NOT installed)" if not kvpress_available() else "kvpress"
+        got = [missing if n == "kvpress" else n for n in NEEDS.get(spec.partition(":")[0], ())]
+        return f"needs {', '.join(got)}" if got else "keys and values only"
+
+    groups = preset_groups()
+    w = max(len(name) for _, presets in groups for name, _ in presets)
+    sw = max(len(spec) for _, presets in groups for _, spec in presets)
+    print("Presets: --compressor NAME (or any compressor with its settings: NAME:key=value,...)")
+    for group, presets in groups:
+        print(f"\n  {group}")
+        for name, spec in presets:
+            print(f"    {name:<{w}}  {spec:<{sw}}  {needs(spec)}")
+    print("\nNeeds: VeriCacheEngine.prefill gives all of them (vericache demo --single); the vLLM connector, the")
+    print("LMCache adapter and the remote cache (drafters, the shared-prefix demo) store keys and values only.")
+    for need, text in NEED_TEXT.items():
+        print(f"  {need}: {text}")
+    print("\ncompressors:", ", ".join(compressor_names()))
     print("bundled prompts:", ", ".join(prompt_names()))
     return 0
 

@@ -60,8 +60,38 @@ EXTRA_PRESETS = {
 }
 
 
+# `vericache list`: the presets by kind, and what each compressor needs beyond the prefix's keys and values.
+# Without it compress() is a ValueError naming it. VeriCacheEngine.prefill fills all of them; the stores'
+# writers (the vLLM connector, the LMCache adapter, the remote cache) have the keys and values only.
+GROUPS = {
+    "token dropping (keep 1/N of the positions per head)": ("streamingllm", "snapkv", "tova", "knorm"),
+    "quantization (every position, fewer bits)": ("kivi", "int8", "fp8", "turboquant", "kvquant", "rotatekv"),
+    "kvpress presses (NVIDIA kvpress run on the checkpoint as a transformers model; slow on a CPU)": ("press",),
+}
+NEEDS = {
+    "snapkv": ("observation queries",),
+    "tova": ("observation queries",),
+    "kvquant": ("RoPE frequencies",),
+    "press": ("kvpress", "token ids"),
+}
+NEED_TEXT = {
+    "observation queries": "the prefill's last queries (PrefixKV.obs_queries)",
+    "token ids": "the prompt's token ids (PrefixKV.token_ids)",
+    "RoPE frequencies": "the model's RoPE frequencies (PrefixKV.inv_freq)",
+    "kvpress": "kvpress installed (pip install --no-deps kvpress==0.5.5)",
+}
+
+
 def compressor_names() -> list[str]:
     return sorted(_MODULES)
+
+
+def preset_groups() -> list[tuple[str, list[tuple[str, str]]]]:
+    """[(group, [(preset, spec), ...]), ...]: every preset of PRESETS and EXTRA_PRESETS once, by GROUPS."""
+    presets = {**PRESETS, **EXTRA_PRESETS}
+    return [
+        (group, [(k, v) for k, v in presets.items() if v.partition(":")[0] in names]) for group, names in GROUPS.items()
+    ]
 
 
 def compressor_class(name: str) -> type[Compressor]:
@@ -116,7 +146,11 @@ __all__ = [
     "PrefixKV",
     "PRESETS",
     "EXTRA_PRESETS",
+    "GROUPS",
+    "NEEDS",
+    "NEED_TEXT",
     "compressor_names",
+    "preset_groups",
     "compressor_class",
     "get_compressor",
 ]

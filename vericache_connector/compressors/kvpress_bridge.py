@@ -24,22 +24,30 @@ __init__ and imports only the press modules it is asked for (`kvpress.presses.<n
 transformers >= 5.x no longer passes `cache_position` to attention modules, and kvpress 0.5.5's
 BasePress.forward_hook reads kwargs["cache_position"] (KeyError otherwise); the bridge passes
 cache_position=arange(T) to the model call, which forwards it to every attention module.
+
+Progress: a press run is a float32 transformers prefill of the whole prompt, and KVzip adds one
+reconstruction pass per chunk_size tokens (minutes for a few thousand tokens on a CPU), so each run shows a
+bar on stderr (one tick per decoder layer per pass) once it has taken PROGRESS_DELAY_S.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
+import math
 import sys
 import threading
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 Tensor = torch.Tensor
 INSTALL = "pip install --no-deps kvpress==0.5.5"
 _LOCK = threading.Lock()  # one press run at a time on a shared HF model
+PROGRESS_DELAY_S = 2.0  # shorter runs show no bar
 
 
 def _package():
@@ -135,6 +143,29 @@ def match_rows(full: Tensor, kept: Tensor) -> Tensor:
 
 
 # ---- running presses ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def progress(model, passes: int, desc: str):
+    """A bar over the decoder layers' forwards of `passes` model passes: one tick per layer per pass."""
+    layers = model.model.layers
+    with tqdm(total=passes * len(layers), desc=desc, unit="layer", leave=False, delay=PROGRESS_DELAY_S) as bar:
+
+        def tick(*_) -> None:  # None: a forward hook's return value would replace the layer's output
+            bar.update(1)
+
+        handles = [layer.register_forward_hook(tick) for layer in layers]
+        try:
+            yield bar
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def kvzip_passes(num_tokens: int, chunk_size: int) -> int:
+    """Model passes of one KVzip run on the whole prompt as context: the prefill, then one context
+    reconstruction per chunk of chunk_size tokens (KVzipPress._chunk_fn)."""
+    return 1 + max(1, math.ceil(num_tokens / chunk_size))
+
+
 def _prefill(model, token_ids: list[int]) -> None:
     from transformers import DynamicCache
 
@@ -180,6 +211,7 @@ def hook_masks(presses: list, model, token_ids: list[int]) -> list[list[Tensor]]
             _masked(module, keep[i])
         return output
 
+    names = ", ".join(sorted({type(p).__name__.removesuffix("Press") for p in presses}))
     with _LOCK:
         for press in presses:
             press.post_init_from_model(model)
@@ -188,7 +220,7 @@ def hook_masks(presses: list, model, token_ids: list[int]) -> list[list[Tensor]]
             for layer in layers:  # as BasePress.__call__: the presses read module.rotary_emb
                 layer.self_attn.rotary_emb = model.model.rotary_emb
                 hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
-            with torch.inference_mode():
+            with torch.inference_mode(), progress(model, 1, f"kvpress {names} on {t} tokens"):
                 _prefill(model, token_ids)
         finally:
             for handle in hooks:
@@ -218,10 +250,12 @@ def kvzip_masks(press, ratios: list[float], model, token_ids: list[int]) -> list
                 _masked(module, k)
             out.append(keep)
 
+    passes = kvzip_passes(t, press.chunk_size)
     with _LOCK:
         press.compress_post = every_ratio  # instance attribute over the method
         try:
-            with torch.inference_mode(), press(model):
+            desc = f"kvpress KVzip on {t} tokens ({passes} passes)"
+            with torch.inference_mode(), progress(model, passes, desc), press(model):
                 press.prefix_length = 0
                 _prefill(model, token_ids)
         finally:
