@@ -33,6 +33,12 @@ def add_verifier_args(p) -> None:
 
 
 def add_drafter_args(p) -> None:
+    import argparse
+
+    from .drafter_api import REQUEST_HELP
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the request's fields and modes, lines as written
+    p.epilog = REQUEST_HELP
     _common(p)
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one, printed)")
     p.add_argument("--verifier", default=None, help="tcp://HOST:PORT (vericache verifier) or http://HOST:PORT (vLLM)")

@@ -2,15 +2,14 @@
 
     VERICACHE_STORE_URL=redis://... VERICACHE_VERIFIER_TOKEN_FILE=/run/secrets/verifier/token \\
     vericache drafter --verifier tcp://vericache-verifier:8477 --host 0.0.0.0 --port 8000
-    curl -s localhost:8000/v1/generate -d '{"prompt_ids": [...], "max_new_tokens": 64}'
+    curl -s localhost:8000/v1/generate -d '{"prompt": "def fib(n):", "max_new_tokens": 64}'
 
 POST /v1/generate runs RemotePrefixCache.generate (one request at a time; others queue): with --verifier,
-a hit fetches only the compressed copy and is verified next to the store (remote/drafter.py). The answer
-is JSON: tokens, path, timings, bytes fetched. "mode" picks what runs, so a node can measure its options
-side by side on the same link (benchmarks/disaggregated.py does): "vericache" (default), "local" (the
-same cache without the verifier: compressed first, full copy streamed here), "full-kv" (fetch the full
-copy, then plain decoding) and "recompute" (prefill here, then plain decoding). GET /health answers once
-the model is loaded. Bodies are bounded (MAX_BODY_BYTES) and checked; a bad one is a 400 naming the field.
+a hit fetches only the compressed copy and is verified next to the store (remote/drafter.py). The prompt
+is text ("prompt", tokenized with the model's tokenizer) or token ids ("prompt_ids"); the answer is JSON:
+tokens and their text, path, timings, bytes fetched. "mode" picks what runs (drafter_api.MODES, shown by
+`vericache drafter --help`). GET /health answers once the model is loaded. Bodies are bounded
+(MAX_BODY_BYTES) and checked; a bad one is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -32,12 +31,12 @@ from ..engine.speculative import DecodeConfig, autoregressive_decode
 from ..model.sampling import sample
 from .cli_args import store_config
 from .config import RemoteCacheConfig
+from .drafter_api import MODES, mode_error
 from .full_copy import stream_full_copy
 from .prefix_cache import RemotePrefixCache
 
 logger = logging.getLogger("vericache.drafter")
 MAX_BODY_BYTES = 1 << 20
-MODES = ("vericache", "local", "full-kv", "recompute")
 
 
 class DrafterService:
@@ -55,11 +54,17 @@ class DrafterService:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
         mode = body.get("mode", "vericache")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        ids = body.get("prompt_ids")
-        if ids is None and isinstance(body.get("prompt"), str):
-            ids = self.engine.encode(body["prompt"])
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(mode_error(mode))
+        text, ids = body.get("prompt"), body.get("prompt_ids")
+        if (text is None) == (ids is None):
+            raise ValueError("give the prompt as 'prompt' (text) or as 'prompt_ids' (token ids), one of the two")
+        if text is not None:
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"prompt must be non-empty text, got {type(text).__name__} {str(text)[:40]!r}")
+            if self.engine.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give prompt_ids")
+            ids = self.engine.encode(text)
         vocab = self.engine.model.cfg.vocab_size
         if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab for t in ids)):
             raise ValueError(f"prompt_ids must be a non-empty list of token ids in [0, {vocab}) (or give 'prompt')")
@@ -80,6 +85,12 @@ class DrafterService:
         return mode, ids, decode
 
     def generate(self, mode: str, ids: list[int], decode: DecodeConfig) -> dict:
+        """The answer: mode, prompt_tokens, how it was served and what it cost (_serve), the tokens' text."""
+        out = {"mode": mode, "prompt_tokens": len(ids), **self._serve(mode, ids, decode)}
+        tok = self.engine.tokenizer
+        return {**out, "text": tok.decode(out["tokens"], skip_special_tokens=True) if tok is not None else None}
+
+    def _serve(self, mode: str, ids: list[int], decode: DecodeConfig) -> dict:
         with self.lock:
             t0 = time.perf_counter()
             if mode in ("vericache", "local"):
