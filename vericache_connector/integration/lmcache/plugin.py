@@ -34,8 +34,11 @@ length, and crc32 or, with a MAC key, a keyed BLAKE2b ``mac``, over the other he
 raw bytes) | raw bytes. The MAC key comes from ``mac_key_file`` or env VERICACHE_MAC_KEY_FILE /
 VERICACHE_MAC_KEY (credentials.secret_from_env); with a key, objects without a valid tag are misses,
 and without one, objects written with a key are. An object that does not decode, check, or fit what
-LMCache expects (dtypes of this model, no bigger than a full chunk, exactly the bytes its shapes
-need) is a miss with a warning, as is any store fault: get returns None and LMCache recomputes.
+LMCache expects is a miss with a warning, as is any store fault: get returns None and LMCache
+recomputes. Fitting means LMCache's own chunk layout (its metadata's shapes, dtypes and memory format):
+as many tensors, each of the same rank and dims, only the token dim possibly shorter (a partial chunk),
+and exactly the bytes those shapes need. A get reads at most a full chunk plus the header bound (a range
+read), so a planted huge object is never read whole.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from storage_backends.lmcache_keys import resolve_model_id  # shared with the MP
 
 _MAGIC = b"VCL2"
 _PREFIX = struct.Struct("<4sI")
-_MAX_HEADER = 1 << 20
+_MAX_HEADER = 64 << 10  # a header names at most 8 shapes of 8 dims: well under this
 MAC_ENV = "VERICACHE_MAC_KEY"
 
 
@@ -117,7 +120,10 @@ class VeriCacheRemoteConnector(RemoteConnector):
         self.backend_opts = opts
         self.sync_timeout_s = float(opts.get("timeout_s", 10.0)) * 2
         self._backend = None
-        self._dtypes = set(getattr(self, "meta_dtypes", None) or [])
+        # LMCache's chunk layout (RemoteConnector.__init__ sets these from the model's metadata)
+        self._shapes = [list(x) for x in getattr(self, "meta_shapes", None) or []]
+        self._dtypes = list(getattr(self, "meta_dtypes", None) or [])
+        self._fmt = getattr(self, "meta_fmt", None)
         self._max_bytes = getattr(self, "full_chunk_size_bytes", None)
 
     def _b(self):
@@ -206,8 +212,12 @@ class VeriCacheRemoteConnector(RemoteConnector):
         from lmcache.v1.memory_management import MemoryFormat
 
         dtypes = [_dtype(d) for d in header["dtypes"]]
-        if self._dtypes and not set(dtypes) <= self._dtypes:
-            raise CorruptObject(f"dtypes {header['dtypes']} are not this model's {sorted(map(str, self._dtypes))}")
+        if self._dtypes and dtypes != self._dtypes:
+            raise CorruptObject(
+                f"dtypes {header['dtypes']} are not this model's {[_dtype_name(d) for d in self._dtypes]}"
+            )
+        if self._shapes:
+            self._check_shapes(header["shapes"])
         need = sum(math.prod(s) * d.itemsize for s, d in zip(header["shapes"], dtypes))
         if need != len(raw):
             raise CorruptObject(f"payload holds {len(raw)} bytes, its shapes need {need}")
@@ -217,7 +227,32 @@ class VeriCacheRemoteConnector(RemoteConnector):
             fmt = MemoryFormat(header["fmt"])
         except ValueError:
             raise CorruptObject(f"unknown memory format {header['fmt']!r}") from None
+        if self._fmt is not None and fmt != self._fmt:
+            raise CorruptObject(f"memory format {fmt.name} is not this model's {self._fmt.name}")
         return [torch.Size(s) for s in header["shapes"]], dtypes, fmt
+
+    def _check_shapes(self, shapes: list) -> None:
+        """The model's chunk layout: as many tensors, each of the same rank and dims as LMCache's full chunk,
+        the token dim (2 of [2|1, layers, tokens, hidden]; 0 of a layerwise [tokens, ...]) in [1, full]."""
+        if len(shapes) != len(self._shapes):
+            raise CorruptObject(f"{len(shapes)} tensors, this model's chunks have {len(self._shapes)}")
+        for got, full in zip(shapes, self._shapes):
+            t = 2 if len(full) == 4 else 0
+            ok = len(got) == len(full) and all(g == f for i, (g, f) in enumerate(zip(got, full)) if i != t)
+            if not (ok and 1 <= got[t] <= full[t]):
+                raise CorruptObject(f"shape {got} does not fit this model's chunk {full} (tokens on dim {t})")
+
+    def _read_bound(self) -> int | None:
+        """The most bytes an object of this model can have (None: LMCache gave no chunk size)."""
+        return None if self._max_bytes is None else _PREFIX.size + _MAX_HEADER + self._max_bytes
+
+    async def _read(self, key_str: str):
+        """The object at key_str, at most _read_bound() + 1 bytes of it (a range read): a longer one is
+        returned cut, and fails its length check as a miss."""
+        bound = self._read_bound()
+        if bound is None:
+            return await self._b().get(key_str)
+        return await self._b().get_range(key_str, 0, bound + 1)
 
     # -- RemoteConnector ----------------------------------------------------------------
     async def exists(self, key) -> bool:
@@ -236,6 +271,9 @@ class VeriCacheRemoteConnector(RemoteConnector):
         if data is None:
             return None
         try:
+            bound = self._read_bound()
+            if bound is not None and len(data) > bound:
+                raise CorruptObject(f"object over {bound} bytes (a full chunk and its header), not read further")
             header, raw = self.decode(data, self._mac)
             if header["model"] != model:
                 raise CorruptObject(f"written for model {header['model']!r}, not {model!r}")
@@ -265,7 +303,7 @@ class VeriCacheRemoteConnector(RemoteConnector):
     async def get(self, key):
         key_str, model = self._key(key)
         try:
-            data = await self._b().get(key_str)
+            data = await self._read(key_str)
         except StoreError as e:
             logger.warning("lmcache get(%s) failed, treated as a miss: %s", key_str, e)
             return None
@@ -297,7 +335,7 @@ class VeriCacheRemoteConnector(RemoteConnector):
     async def batched_get(self, keys):
         named = [self._key(k) for k in keys]
         try:
-            values = await self._b().get_many([k for k, _ in named])
+            values = await asyncio.gather(*(self._read(k) for k, _ in named))
         except StoreError as e:
             logger.warning("lmcache batched_get of %d keys failed: %s", len(keys), e)
             return [None] * len(keys)
