@@ -16,8 +16,10 @@ A compressed copy that passed its checksums is still validated against the model
 (Compressor.validate) before anything drafts on it; one that does not fit is a miss of the compressed
 copy (the full copy is used, and a good compressed copy written back). Whatever goes wrong once the
 full copy is streaming, the stream is cancelled before generate returns or raises.
-One request at a time per RemotePrefixCache; close() (or the with-block) ends its loop thread, and a
-closed cache raises at once.
+One request at a time per RemotePrefixCache: threads may share one, their requests then take turns (a
+lock; a request owns the engine's caches, the verifier connection and the store stream while it runs).
+close() (or the with-block) waits for the request in progress, ends the loop thread, and a closed cache
+raises at once.
 
 With cfg.verifier (drafters + verifier, remote/drafter.py), a HIT with a compressed copy fetches only that
 copy: a verifier next to the store loads the full copy over its own fast link and checks the drafts, which
@@ -143,6 +145,7 @@ class _Request:
 class RemotePrefixCache:
     def __init__(self, engine: VeriCacheEngine, cfg: RemoteCacheConfig):
         self.engine, self.cfg = engine, cfg
+        self._turn = threading.Lock()  # one request at a time (module docstring)
         self.compressor = get_compressor(cfg.compressor)
         # cfg.model_name overrides the fingerprinted name: it must then identify the weights itself
         self.client = StoreClient(cfg, cfg.model_name or engine.model_name, engine.model.dtype, "vericache-remote")
@@ -162,10 +165,12 @@ class RemotePrefixCache:
         return self.client.closed
 
     def close(self) -> None:
-        """Cancel what still runs on the store loop, close the store's connections, end the loop thread."""
-        if self.verifier is not None:
-            self.verifier.close()
-        self.client.close()
+        """After the request in progress (if any): cancel what still runs on the store loop, close the
+        store's connections and the verifier's socket, end the loop thread. Idempotent."""
+        with self._turn:
+            if self.verifier is not None:
+                self.verifier.close()
+            self.client.close()
 
     def __enter__(self) -> "RemotePrefixCache":
         return self
@@ -175,8 +180,13 @@ class RemotePrefixCache:
 
     # ---- one request ---------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], decode: DecodeConfig) -> RemoteResult:
-        if self.closed:
-            raise ClientClosed("RemotePrefixCache is closed: make a new one (or generate inside its with-block)")
+        """One request; a thread calling while another's request runs waits for it (module docstring)."""
+        with self._turn:
+            if self.closed:
+                raise ClientClosed("RemotePrefixCache is closed: make a new one (or generate inside its with-block)")
+            return self._generate(prompt_ids, decode)
+
+    def _generate(self, prompt_ids: list[int], decode: DecodeConfig) -> RemoteResult:
         t0, ids = time.perf_counter(), list(prompt_ids)
         self.engine.check_length(len(ids), decode.max_new_tokens)
         stored = stored_prefix_len(len(ids), self.cfg.chunk_size)
