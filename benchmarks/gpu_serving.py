@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     bench_paths.setup()
     import torch
 
-    from vericache_connector.engine.scheduler import ServingConfig
+    from vericache_connector.engine.config import ServingConfig
     from vericache_connector.engine.sequence import Request
     from vericache_connector.engine.serving import ServingEngine
 

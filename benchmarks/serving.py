@@ -37,10 +37,11 @@ from tqdm.auto import tqdm
 
 import bench_paths
 
-POLICIES = ("full", "lossy", "vericache")
-
 
 def parse_args(argv=None):
+    bench_paths.setup()
+    from vericache_connector.engine.config import POLICIES
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=8, help="requests in the trace")
     p.add_argument("--min-tokens", type=int, default=4096, help="shortest prompt")
@@ -125,7 +126,7 @@ def trace(prompts, new: int, rate: float | None, seed: int):
 
 
 def run_one(model, policy, budget, args, reqs, refs, store, label, link_gbps=None):
-    from vericache_connector.engine.scheduler import ServingConfig
+    from vericache_connector.engine.config import ServingConfig
     from vericache_connector.engine.serving import ServingEngine
 
     cfg = ServingConfig(

@@ -71,3 +71,108 @@ def test_stored_prefix_len_leaves_a_token():
     assert [stored_prefix_len(n, 256) for n in (0, 1, 256, 257, 512, 513, 600)] == [0, 0, 0, 256, 256, 512, 512]
     with pytest.raises(ValueError, match="0"):
         stored_prefix_len(10, 0)
+
+
+# ---- layering: each level imports only the levels below it ------------------------------------------
+# storage_backends and the kernels at the bottom, then the model, the compressors, the draft caches, the
+# engines, the remote pipeline, the integrations, and the user-facing demo / CLI on top.
+LEVELS = {
+    "storage_backends": 0,
+    "vericache_kernels": 0,
+    "vericache_connector.data": 0,
+    "vericache_connector.model": 1,
+    "vericache_connector.compressors": 2,
+    "vericache_connector.draft": 3,
+    "vericache_connector.engine": 4,
+    "vericache_connector.remote": 5,
+    "vericache_connector.integration": 6,
+    "vericache_connector.demo": 7,
+    "vericache_connector.cli": 7,
+    "vericache_connector.vllm_connector": 7,
+    "vericache_connector.vllm_proposer": 7,
+    "vericache_connector.__main__": 7,
+}
+# Legacy import paths LMCache configs still name: each is only `sys.modules[__name__] = <the new module>`.
+STORAGE_ALIASES = {"lmcache_plugin.py", "lmcache_l2_adapter.py", "lmcache_l2_config.py", "lmcache_chain_tap.py"}
+
+
+def _level(module: str) -> int | None:
+    best = max((p for p in LEVELS if module == p or module.startswith(p + ".")), key=len, default=None)
+    return None if best is None else LEVELS[best]
+
+
+def _imports(path, module: str) -> set[str]:
+    """Every module a file imports (top level and inside functions), relative imports resolved."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.add(target)
+            out |= {f"{target}.{a.name}" for a in node.names}  # `from . import rpc`
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and not arg.value.startswith("."):
+                out.add(arg.value)
+    return out
+
+
+def _modules():
+    for top, name in (("vericache_connector", "vericache_connector"), ("storage_backends", "storage_backends")):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT / top).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            yield path, ".".join((name,) + parts)
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        parts = path.relative_to(ROOT / "kernels").with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        yield path, ".".join(("vericache_kernels",) + parts)
+
+
+def test_no_level_imports_a_level_above_it():
+    upward = []
+    for path, module in _modules():
+        mine = _level(module)
+        if path.parent.name == "storage_backends" and path.name in STORAGE_ALIASES:
+            body = [line for line in path.read_text().splitlines() if line.startswith("sys.modules[")]
+            assert len(body) == 1 and "vericache_connector.integration.lmcache." in body[0], path
+            continue
+        for target in _imports(path, module):
+            theirs = _level(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports from a lower level to a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_the_model_level_imports_neither_engine_nor_draft():
+    for path, module in _modules():
+        if module.startswith("vericache_connector.model"):
+            bad = {t for t in _imports(path, module) if _level(t) is not None and _level(t) > 1}
+            assert not bad, (module, bad)
+
+
+def test_one_accept_rule_and_one_emit_rule():
+    """The lossless rule is written once (model/sampling.py: verify, emit): no other module of the package
+    counts leading matches (cumprod) or applies a token budget / EOS to an output by itself."""
+    import re
+
+    accept = re.compile(r"cumprod\(")
+    budget = re.compile(r">=\s*[\w.]*max_new(_tokens)?\b.*\bor\b.*\b(stop_at_eos|eos)\b")
+    found = {"accept": [], "emit": []}
+    for path, module in _modules():
+        text = path.read_text()
+        if accept.search(text):
+            found["accept"].append(module)
+        if budget.search(text):
+            found["emit"].append(module)
+    assert found == {"accept": ["vericache_connector.model.sampling"], "emit": ["vericache_connector.model.sampling"]}

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from vericache_connector.engine import DecodeConfig
-from vericache_connector.engine.scheduler import ServingConfig
+from vericache_connector.engine.config import ServingConfig
 from vericache_connector.engine.sequence import Request
 from vericache_connector.engine.serving import ServingEngine
 
@@ -165,3 +165,36 @@ def chi2(samples: torch.Tensor, probs: torch.Tensor) -> float:
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def test_every_field_is_checked_before_anything_is_allocated(tiny, monkeypatch):
+    """(issue 28, 6) Bad requests and settings are ValueErrors naming the value, raised before any pool exists:
+    no budget with 10**9 new tokens used to try to allocate hundreds of GB before the context check."""
+    from vericache_connector.engine import block_manager
+
+    eng, prompts, *_ = tiny
+
+    def no_pools(*a, **kw):
+        raise AssertionError("a pool was allocated before the trace was checked")
+
+    monkeypatch.setattr(block_manager.KVPool, "__init__", no_pools)
+    engine = ServingEngine(eng.model, ServingConfig(policy="full"))
+    with pytest.raises(ValueError, match="1000000000 new tokens exceed the model's context"):
+        engine.run([Request("big", prompts[0], 10**9)])
+    with pytest.raises(ValueError, match=r"token id 256 is outside the vocabulary \[0, 256\)"):
+        engine.run([Request("oov", prompts[0][:10] + [256], 4)])
+    with pytest.raises(ValueError, match="request ids in a trace must be unique"):
+        engine.run([Request("a", prompts[0], 4), Request("a", prompts[1], 4)])
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=f"arrival_s must be a finite number >= 0, got {bad}"):
+            Request("r", prompts[0], 4, arrival_s=bad)
+    with pytest.raises(ValueError, match="prompt_ids holds -3"):
+        Request("r", [1, -3], 4)
+    with pytest.raises(ValueError, match="prompt_ids holds 1.5"):
+        Request("r", [1, 1.5], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 2.5"):
+        Request("r", [1], 2.5)
+    with pytest.raises(ValueError, match="budget_bytes must be a positive integer or None, got nan"):
+        ServingConfig(budget_bytes=float("nan"))
+    with pytest.raises(ValueError, match="link_bytes_per_s must be a finite number > 0 or None, got inf"):
+        ServingConfig(link_bytes_per_s=float("inf"))

@@ -15,13 +15,23 @@ from vericache_connector.compressors import get_compressor
 from vericache_connector.engine import DecodeConfig
 from vericache_connector.remote import RemoteCacheConfig, rpc
 from vericache_connector.remote.drafter import VerifiedDecode
-from vericache_connector.remote.verifier import CallError, VerifierConfig, VerifierCore, hidden_states
+from vericache_connector.remote.verifier import CallError, VerifierConfig, VerifierCore
 
 from tiny_model import tiny_engine
 
 pytest.importorskip("zmq", reason="pyzmq is not installed (it comes with vLLM)")
 STORED, CHUNK = 128, 64
 SECRET = "a-verifier-token-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _no_curve(monkeypatch):
+    """The protocol and the client against an in-thread ROUTER without CURVE keys (a test setup: calls in
+    clear); CURVE itself: tests/unit/test_hardening_verifier.py."""
+    monkeypatch.setenv("VERICACHE_VERIFIER_INSECURE", "1")
+    for name in ("SECRET_KEY", "CLIENT_KEYS", "CLIENT_SECRET_KEY", "PUBLIC_KEY"):
+        monkeypatch.delenv(f"VERICACHE_VERIFIER_{name}", raising=False)
+        monkeypatch.delenv(f"VERICACHE_VERIFIER_{name}_FILE", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +123,17 @@ def test_token_from_a_file_or_the_environment_never_shown(tmp_path, monkeypatch)
     client.close()
 
 
+def test_our_verifier_and_vllm_are_both_verifier_clients(monkeypatch):
+    """The drafter's loop talks to either through the VerifierClient protocol; cheap_calls tells them apart."""
+    from vericache_connector.remote.client import VerifierClient, make_verifier
+
+    monkeypatch.setenv("VERICACHE_VERIFIER_TOKEN", SECRET)
+    for url, cheap in (("tcp://127.0.0.1:9", True), ("http://127.0.0.1:9", False)):
+        client = make_verifier(url, None, 1.0)
+        assert isinstance(client, VerifierClient) and client.cheap_calls is cheap
+        client.close()
+
+
 @pytest.mark.parametrize("url", ["tcp://host", "http://h:1", "tcp://:80", "tcp://h:1/x", "tcp://h:99999"])
 def test_bad_verifier_urls(url):
     with pytest.raises(ValueError, match="verifier URL"):
@@ -136,8 +157,8 @@ def test_hidden_states_match_the_models_forward(eng, prompt):
     a, b = m.new_cache(1, 200), m.new_cache(1, 200)
     ids, pos = torch.tensor([prompt[:50]]), torch.arange(50)[None]
     want, _ = m(ids, pos, a)
-    h = hidden_states(m, ids, pos, b)
-    assert torch.equal(m.lm_head(m.norm(h)).float(), want) and torch.equal(a.lengths, b.lengths)
+    h, _ = m.hidden_states(ids, pos, b)
+    assert torch.equal(m.logits(h), want) and torch.equal(a.lengths, b.lengths)
 
 
 def test_batched_verdicts_equal_one_by_one(eng, prompt):

@@ -16,13 +16,11 @@ from dataclasses import asdict, dataclass, field
 from tqdm.auto import tqdm
 
 from ..data import load_prompts
+from ..engine.config import POLICIES, ServingConfig
 from ..engine.llm_engine import Prefill, VeriCacheEngine
-from ..engine.scheduler import ServingConfig
 from ..engine.sequence import Request
 from ..engine.serving import ServingEngine
 from ..engine.speculative import DecodeConfig
-
-POLICIES = ("full", "lossy", "vericache")
 
 
 @dataclass

@@ -1,10 +1,18 @@
-"""The engine: the model, its KV caches, the draft/verify loop and VeriCacheEngine on top of them.
+"""The engines: both decode with VeriCache's rule (model/sampling.py: draft on the compressed KV, accept only
+what the full KV agrees with) and differ in what they serve.
 
-    from vericache_connector.engine import VeriCacheEngine, DecodeConfig
+  VeriCacheEngine   (llm_engine.py) one request or a static batch whose full KV and compressed copy are both
+                    in memory: prefill, compress, then the speculative loop of speculative.py, where a round
+                    is one function (draft k tokens, verify them in one forward, accept, roll back). Use it for
+                    a single request, exactness checks, and behind the remote prefix cache (remote/).
+  ServingEngine     (serving.py) continuous batching under a device KV budget, the paper's long-context
+                    serving: only the compressed KV stays resident, each row's full prompt KV lives in a host
+                    tier and is reloaded over the link for its verifications (scheduler.py plans them). A round
+                    spans several steps: a row drafts one token per step, then its verify segment rides in a
+                    packed forward. Use it for many concurrent long requests under a memory budget.
 
-Modules: model.py (a Llama-family decoder over explicit caches), model_loader.py (checkpoints, the
-bundled model), kv_cache.py (RowCache, KVCache), sampling.py (acceptance rules), speculative.py (the
-loop, DecodeConfig), llm_engine.py (VeriCacheEngine: prefill, the three decoders).
+    from vericache_connector.engine import VeriCacheEngine, DecodeConfig, ServingEngine, ServingConfig, Request
+
 Names are resolved on first use, so importing a submodule never pulls in the whole engine.
 """
 
@@ -19,12 +27,10 @@ _EXPORTS = {
     "SpecStats": "speculative",
     "speculative_decode": "speculative",
     "autoregressive_decode": "speculative",
-    "KVCache": "kv_cache",
-    "RowCache": "kv_cache",
-    "CausalLM": "model",
-    "ModelConfig": "model",
-    "load_model": "model",
-    "resolve_model_dir": "model_loader",
+    "ServingEngine": "serving",
+    "ServingConfig": "config",
+    "Request": "sequence",
+    "ServingReport": "report",
 }
 
 

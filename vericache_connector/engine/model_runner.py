@@ -22,7 +22,7 @@ import vericache_kernels.paged as PA
 
 from ..model.kv_cache import RowCache
 from .block_manager import KVPool
-from .host_tier import Reload
+from .host_tier import HostEntry, Reload
 from .sequence import Sequence
 
 Tensor = torch.Tensor
@@ -41,6 +41,37 @@ class Segment:
     start: int
     kind: str  # draft | verify | decode
     reload: Reload | None = None
+
+
+@dataclass
+class Batch:
+    """What one step runs (Scheduler.schedule): one prompt's prefill, or the rows of one packed forward."""
+
+    prefill: Sequence | None = None
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill is None and not self.segments
+
+
+@dataclass
+class Prefilled:
+    """A prefill's result (ServingEngine's run phase): the first token and where the prompt's KV went."""
+
+    first: int
+    draft_len: int = 0  # entries of the compressed prompt in the draft pool
+    host: HostEntry | None = None  # VeriCache: the prompt's whole blocks in the host tier
+
+
+@dataclass
+class Sampled:
+    """One row's result of a packed step: a decoded / drafted token (q: its law, temperature > 0), or a
+    verification's accepted drafts and the token after them."""
+
+    token: int
+    q: torch.Tensor | None = None
+    accepted: int = 0
 
 
 @dataclass

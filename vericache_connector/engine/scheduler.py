@@ -20,61 +20,34 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass
 
-from .block_manager import BlockManager
-from .model_runner import Segment
+from .block_manager import BlockManager, BudgetExceeded
+from .config import ServingConfig
+from .host_tier import Link
+from .model_runner import Batch, Prefilled, Segment
 from .planner import AcceptanceEstimate, ReservationRings, choose_horizon, reload_steps
 from .sequence import Phase, Sequence
 
-POLICIES = ("full", "lossy", "vericache")
-
-
-@dataclass
-class ServingConfig:
-    policy: str = "vericache"
-    budget_bytes: int | None = None  # device KV budget (None: unlimited)
-    compressor: str = "snapkv-4x"  # the compressed KV (lossy, vericache)
-    draft_dtype: str = "float16"  # the draft pool's storage
-    link_bytes_per_s: float | None = None  # host link (None: as fast as memory copies go)
-    block_size: int = 128
-    max_rows: int = 64
-    horizon: int | None = None  # a fixed draft horizon; None: chosen per row and round
-    k_min: int = 4
-    k_max: int = 64
-    alpha_prior: float = 0.8  # per-draft acceptance before a row has verified (measured curve)
-    verify_cost: float = 1.0  # a verification's cost in draft steps (horizon choice)
-    staging_layers: int | None = None  # the staging ring's layers; None: as many as keep the forward from waiting
-    lookahead: int = 512  # W: steps the reservation rings plan ahead
-    temperature: float = 0.0
-    stop_at_eos: bool = False
-    obs_window: int = 32
-    backend: str = "auto"  # kernels backend (auto | ref)
-
-    def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not 1 <= self.k_min <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}")
-        if self.horizon is not None and not 1 <= self.horizon <= self.k_max:
-            raise ValueError(f"horizon must be in [1, k_max={self.k_max}], got {self.horizon}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.alpha_prior < 1:
-            raise ValueError(f"alpha_prior must be in (0, 1), got {self.alpha_prior}")
-        if self.max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.staging_layers is not None and self.staging_layers < 1:
-            raise ValueError(f"staging_layers must be >= 1 or None, got {self.staging_layers}")
-        if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
-            raise ValueError(f"link_bytes_per_s must be > 0 or None, got {self.link_bytes_per_s}")
-
 
 class Scheduler:
-    def __init__(self, cfg: ServingConfig, blocks: BlockManager, full_bytes_per_token: int, max_context: int):
-        self.cfg, self.blocks = cfg, blocks
+    """Owns every sequence's bookkeeping: arrivals, admission, the reload plans (and starting the reloads on
+    the link), what each step runs (schedule) and what its results change (postprocess)."""
+
+    def __init__(
+        self,
+        cfg: ServingConfig,
+        blocks: BlockManager,
+        full_bytes_per_token: int,
+        max_context: int,
+        compressed_len=lambda seq: seq.prompt_len,
+        eos: tuple[int, ...] = (),
+        link: Link | None = None,
+    ):
+        self.cfg, self.blocks, self.link = cfg, blocks, link
         self.full_bytes_per_token, self.max_context = full_bytes_per_token, max_context
+        self.compressed_len, self.eos = compressed_len, eos
         self.num_layers = next(iter(blocks.pools.values())).num_layers
+        self.arrivals: collections.deque[Sequence] = collections.deque()  # not arrived yet (by arrival time)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -83,6 +56,10 @@ class Scheduler:
         self.rings = ReservationRings(cfg.lookahead)
         self.estimates: dict[str, AcceptanceEstimate] = {}
         self.plans: dict[str, tuple[int, int, int]] = {}  # request id -> (reload start step, verify step, ring)
+
+    @property
+    def finished(self) -> bool:
+        return not (self.arrivals or self.waiting or self.prefilling or self.running)
 
     @property
     def vericache(self) -> bool:
@@ -127,26 +104,22 @@ class Scheduler:
         """Besides its blocks, what a row needs at times: its prefill's layer, later (VeriCache) a staging ring."""
         return max(self.prefill_bytes(seq), self.staging_bytes(seq, ring=2) if self.vericache else 0)
 
-    def check_fits(self, seq: Sequence, compressed_len: int) -> None:
-        need = self.blocks.cost(self.resident_blocks(seq, compressed_len)) + self.transient_bytes(seq)
+    def check_fits(self, seq: Sequence) -> None:
+        """ValueError for a request that could never be admitted: more device KV than the whole budget."""
+        need = self.blocks.cost(self.resident_blocks(seq, self.compressed_len(seq))) + self.transient_bytes(seq)
         if self.blocks.budget is not None and need > self.blocks.budget:
             raise ValueError(
                 f"request {seq.request_id!r} needs {need} bytes of device KV under policy "
                 f"{self.cfg.policy!r}, more than the whole budget of {self.blocks.budget}"
             )
-        if seq.prompt_len + seq.request.max_new_tokens > self.max_context:
-            raise ValueError(
-                f"request {seq.request_id!r}: {seq.prompt_len} prompt + {seq.request.max_new_tokens} "
-                f"new tokens exceed the model's context of {self.max_context}"
-            )
 
     # ---- admission ----
-    def admit(self, compressed_len) -> None:
+    def admit(self) -> None:
         """Admit waiting requests in arrival order while their blocks, their prefill, the staging already
         planned and (VeriCache) their reloads fit."""
         while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_rows:
             seq = self.waiting[0]
-            need = self.resident_blocks(seq, compressed_len(seq))
+            need = self.resident_blocks(seq, self.compressed_len(seq))
             extra = self.blocks.cost(need) + self.transient_bytes(seq)
             if self.vericache:  # and still room for any row's smallest staging ring, beyond what is planned
                 extra = (
@@ -268,10 +241,124 @@ class Scheduler:
             return True
         return False
 
+    # ---- one step: schedule (here) -> run (ServingEngine) -> postprocess (here) ----
+    def schedule(self, now: float) -> Batch:
+        """What the next step runs: the oldest admitted prompt's prefill, else one packed forward over every
+        running row (after planning rounds and putting the reloads that are due on the link)."""
+        while self.arrivals and self.arrivals[0].request.arrival_s <= now:
+            self.waiting.append(self.arrivals.popleft())
+        self.admit()
+        if self.prefilling:
+            seq = self.prefilling.popleft()
+            seq.admitted_s = now
+            self.blocks.hold(self.prefill_bytes(seq))  # its layer of full KV, until postprocess
+            return Batch(prefill=seq)
+        if self.link is not None:
+            for seq in self.running:
+                if seq.verify_step is None and seq.phase in (Phase.DRAFTING, Phase.RELOADING):
+                    self.plan(seq)
+            for seq in self.due_reloads():
+                self.start_reload(seq)
+        return Batch(segments=self.segments())
+
+    def postprocess(self, batch: Batch, result, now: float, compute_s: float = 0.0) -> list[tuple[Sequence, int]]:
+        """Apply a step's results (Prefilled, or {id(seq): Sampled} for a packed step): token bookkeeping,
+        emissions, the next round. Returns (sequence, tokens emitted) pairs."""
+        if batch.prefill is not None:
+            return [self._prefilled(batch.prefill, result, now)]
+        self.step_s = 0.8 * self.step_s + 0.2 * compute_s if self.step > 0 else compute_s
+        self.step += 1
+        self.rings.advance(self.step)
+        emitted = []
+        for seg in batch.segments:
+            seq, r = seg.seq, result[id(seg.seq)]
+            if seg.kind == "draft":
+                seq.drafts.append(r.token)
+                if r.q is not None:
+                    seq.draft_probs.append(r.q)
+                seq.draft_len += 1
+            elif seg.kind == "decode":
+                if self.cfg.policy == "full":
+                    seq.full_len += 1
+                else:
+                    seq.draft_len += 1
+                seq.pending = r.token
+                emitted.append((seq, self.emit(seq, [r.token], now)))
+            else:  # verify: pending + the accepted drafts joined both caches (exact KV); the token is pending
+                n, k = r.accepted, len(seq.drafts)
+                self.estimates.setdefault(seq.request_id, AcceptanceEstimate(self.cfg.alpha_prior)).update(n, k)
+                seq.accepted.append(n)
+                seq.full_len, seq.draft_len = seq.full_len + n + 1, seq.draft_len - k + n + 1
+                new = seq.drafts[:n] + [r.token]
+                seq.drafts, seq.draft_probs, seq.pending = [], [], r.token
+                self.release_staging(seq)
+                emitted.append((seq, self.emit(seq, new, now)))
+                if seq.phase != Phase.FINISHED:
+                    seq.phase = Phase.DRAFTING
+                    self.start_round(seq)
+        return emitted
+
+    def _prefilled(self, seq: Sequence, r: Prefilled, now: float) -> tuple[Sequence, int]:
+        self.blocks.release(self.prefill_bytes(seq))
+        seq.full_len, seq.draft_len, seq.pending = seq.prompt_len, r.draft_len, r.first
+        if r.host is not None:
+            seq.host, seq.stored_prompt = r.host, r.host.tokens
+        self.step += 1
+        n = self.emit(seq, [r.first], now)
+        if seq.phase != Phase.FINISHED:
+            self.running.append(seq)
+            seq.phase = Phase.DRAFTING if self.vericache else Phase.DECODING
+            if self.vericache:
+                self.start_round(seq)
+        return seq, n
+
+    def verify_failed(self, batch: Batch) -> None:
+        """A reload of this step failed (the engine recomputed its KV): the verifying rows retry next step."""
+        for seg in batch.segments:
+            if seg.kind == "verify":
+                seg.seq.phase = Phase.RELOADING
+
+    def emit(self, seq: Sequence, tokens: list[int], now: float) -> int:
+        before = len(seq.output)
+        if seq.emit(tokens, self.eos, self.cfg.stop_at_eos, now):
+            self.finish(seq)
+        return len(seq.output) - before
+
+    # ---- reloads ----
+    def start_reload(self, seq: Sequence, ring: int | None = None) -> None:
+        """Put the row's prompt KV on the link into a staging ring (not now if the budget is held by a prefill:
+        the next step tries again)."""
+        if ring is None:
+            ring = self.plans[seq.request_id][2] if seq.request_id in self.plans else self.ring_layers(seq)
+        n = self.staging_blocks(seq)
+        try:
+            seq.staging = self.blocks.allocate("full", n, ring) if n else []
+        except BudgetExceeded:
+            return
+        seq.staging_ring = ring
+        seq.reload = self.link.submit(seq.host, self.blocks.pools["full"], seq.staging, ring)
+        seq.phase = Phase.RELOADING
+
+    def reload_to_wait_for(self):
+        """Nothing can compute: the reload in flight, else the next planned row's started now on the smallest
+        ring (admission kept room for it); None when there is none (VeriCache only)."""
+        if self.link is None:
+            return None
+        inflight = [s.reload for s in self.running if s.reload is not None and not s.reload.done]
+        if not inflight:
+            waiting = sorted(
+                (s for s in self.running if s.reload is None),
+                key=lambda s: (s.verify_step is None, s.verify_step or 0),
+            )
+            for seq in waiting[:1]:
+                self.start_reload(seq, ring=2)
+            inflight = [s.reload for s in self.running if s.reload is not None and not s.reload.done]
+        return inflight[0] if inflight else None
+
     def finish(self, seq: Sequence) -> None:
         for pool, ids in seq.blocks.items():
             self.blocks.free(pool, ids)
-        seq.blocks = {}
+        seq.blocks, seq.host = {}, None
         self.release_staging(seq)
         if seq in self.running:
             self.running.remove(seq)

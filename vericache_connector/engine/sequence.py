@@ -19,9 +19,13 @@ the draft cache holds the compressed prompt + the same emitted tokens (exact KV)
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+from ..model.sampling import emit
+from .host_tier import HostEntry
 
 
 @dataclass
@@ -35,12 +39,27 @@ class Request:
     seed: int = 0  # sampling seed (temperature > 0)
 
     def __post_init__(self):
-        if not self.prompt_ids:
-            raise ValueError(f"request {self.request_id!r}: empty prompt")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.arrival_s >= 0:
-            raise ValueError(f"request {self.request_id!r}: arrival_s must be >= 0, got {self.arrival_s}")
+        """Every field checked before the engine allocates anything for the request (ids against the vocabulary
+        and the context: ServingEngine.run, which knows the model)."""
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+        if not isinstance(self.prompt_ids, list) or not self.prompt_ids:
+            raise ValueError(f"request {rid!r}: prompt_ids must be a non-empty list of token ids")
+        bad = next((t for t in self.prompt_ids if not _is_int(t) or t < 0), None)
+        if bad is not None:
+            raise ValueError(f"request {rid!r}: prompt_ids holds {bad!r}, not a token id (an integer >= 0)")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        a = self.arrival_s
+        if isinstance(a, bool) or not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0):
+            raise ValueError(f"request {rid!r}: arrival_s must be a finite number >= 0, got {a!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"request {rid!r}: seed must be an integer, got {self.seed!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class Phase(enum.Enum):
@@ -75,6 +94,8 @@ class Sequence:
     first_token_s: float | None = None
     finished_s: float | None = None
     stored_prompt: int = 0  # prompt tokens held in the host tier (whole blocks)
+    host: HostEntry | None = None  # VeriCache: those blocks' full KV in host memory
+    staging_ring: int = 0  # layers of the staging blocks live at once
 
     @property
     def request_id(self) -> str:
@@ -89,12 +110,10 @@ class Sequence:
         return self.request.max_new_tokens - len(self.output)
 
     def emit(self, tokens: list[int], eos: tuple[int, ...], stop_at_eos: bool, now_s: float) -> bool:
-        """Append tokens up to the budget / first EOS; True (and FINISHED) when the sequence is done."""
-        for t in tokens:
-            self.output.append(int(t))
-            if self.first_token_s is None:
-                self.first_token_s = now_s
-            if len(self.output) >= self.request.max_new_tokens or (stop_at_eos and t in eos):
-                self.phase, self.finished_s = Phase.FINISHED, now_s
-                return True
-        return False
+        """The emit rule (model/sampling.emit) with timestamps; True (and FINISHED) when the sequence is done."""
+        done = emit(self.output, tokens, self.request.max_new_tokens, eos, stop_at_eos)
+        if self.output and self.first_token_s is None:
+            self.first_token_s = now_s
+        if done:
+            self.phase, self.finished_s = Phase.FINISHED, now_s
+        return done

@@ -1,12 +1,16 @@
 """ServingEngine: requests arrive over time, are admitted under a device KV budget, decode in one continuous
-batch, finish and leave (scheduler.py decides, model_runner.py computes, host_tier.py moves full KV).
+batch, finish and leave. A step is nano-vllm's: the scheduler decides (scheduler.py: admission, the reload
+plans, what runs), the engine runs it (model_runner.py computes, host_tier.py moves full KV; sampling and
+the accept rule of model/sampling.py), the scheduler applies the results (postprocess).
 
     engine = ServingEngine(model, ServingConfig(policy="vericache", budget_bytes=..., link_bytes_per_s=...))
     report = engine.run([Request("a", prompt_ids, 128, arrival_s=0.0), ...])
     report.tokens_per_s, report.outputs()
 
 Every policy's greedy output is each request's own single-request full-KV greedy output, except "lossy"
-(shown for reference): VeriCache verifies every draft on the full KV before it is emitted.
+(shown for reference): VeriCache verifies every draft on the full KV before it is emitted. Where a round
+happens: a VeriCache row drafts one token per step (a "draft" segment) until its planned verify step, whose
+"verify" segment runs [pending, d_1..d_k] over the reloaded full KV in the same packed forward.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ import time
 import torch
 
 from ..compressors import PrefixKV, get_compressor
-from ..model.sampling import accept_greedy, accept_sampling, probs, sample
-from .block_manager import BlockManager, BudgetExceeded, KVPool
+from ..model.sampling import sample, verify
+from .block_manager import BlockManager, KVPool
+from .config import ServingConfig
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
-from .model_runner import ModelRunner
-from .planner import AcceptanceEstimate
+from .model_runner import Batch, ModelRunner, Prefilled, Sampled, Segment
 from .report import ServingReport, TimeSplit
-from .scheduler import Scheduler, ServingConfig
-from .sequence import Phase, Request, Sequence
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
 
 STALL_LIMIT_S = 5.0  # idle with nothing to wait for this long: raise instead of spinning
 RELOADS_STAGED = 3  # staging areas the full pool has room for at once (the budget decides how many are used)
@@ -61,6 +65,23 @@ class ServingEngine:
         keep = getattr(self.compressor, "keep_count", None)
         return keep(seq.prompt_len) if keep is not None else seq.prompt_len
 
+    def check(self, trace: list[Request]) -> None:
+        """ValueError naming the request and the value, before anything is allocated for the trace."""
+        mc = self.model.cfg
+        if len({r.request_id for r in trace}) != len(trace):
+            raise ValueError("request ids in a trace must be unique")
+        for r in trace:
+            bad = next((t for t in r.prompt_ids if t >= mc.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"request {r.request_id!r}: token id {bad} is outside the vocabulary [0, {mc.vocab_size})"
+                )
+            if len(r.prompt_ids) + r.max_new_tokens > mc.max_position:
+                raise ValueError(
+                    f"request {r.request_id!r}: {len(r.prompt_ids)} prompt + {r.max_new_tokens} new tokens exceed "
+                    f"the model's context of {mc.max_position}"
+                )
+
     def _pools(self, seqs: list[Sequence]) -> dict[str, KVPool]:
         """The pools' physical blocks: as many as the budget can pay for (all of the trace's demand without a
         budget), plus, for VeriCache, whole staging areas for a few reloads (a staging ring holds a prompt's
@@ -87,58 +108,73 @@ class ServingEngine:
         """Serve the trace in real time (arrivals by the wall clock); on_tokens(n) after each emission;
         acceptance(seq, k) -> accepted count replays recorded acceptance instead of comparing tokens (the GPU
         script's random-weight model), outputs then are not meaningful."""
-        cfg = self.cfg
+        self.check(trace)
         seqs = [
             Sequence(r, generator=torch.Generator().manual_seed(r.seed))
             for r in sorted(trace, key=lambda r: r.arrival_s)
         ]
-        if len({s.request_id for s in seqs}) != len(seqs):
-            raise ValueError("request ids in a trace must be unique")
-        pools = self._pools(seqs)
-        blocks = BlockManager(pools, cfg.budget_bytes)
-        sched = Scheduler(cfg, blocks, self.full_bytes_per_token, self.model.cfg.max_position)
+        cfg = self.cfg
+        self.pools = self._pools(seqs)
+        blocks = BlockManager(self.pools, cfg.budget_bytes)
+        self.link = Link(cfg.link_bytes_per_s, self.model.device) if cfg.policy == "vericache" else None
+        self.scheduler = Scheduler(
+            cfg,
+            blocks,
+            self.full_bytes_per_token,
+            self.model.cfg.max_position,
+            self.compressed_len,
+            self.model.cfg.eos_token_ids,
+            self.link,
+        )
         for s in seqs:
-            sched.check_fits(s, self.compressed_len(s))
-        runner = ModelRunner(self.model, pools, cfg.backend)
-        link = Link(cfg.link_bytes_per_s, self.model.device) if cfg.policy == "vericache" else None
-        self.host: dict[str, HostEntry] = {}
-        self._state = (sched, runner, link, pools, on_tokens, acceptance)
-        split, arrivals = TimeSplit(), list(seqs)
-        self.reload_failures, self._stalled_s = 0, 0.0
-        t0 = time.perf_counter()
-        self.t0 = t0
+            self.scheduler.check_fits(s)
+        self.scheduler.arrivals.extend(seqs)
+        self.runner = ModelRunner(self.model, self.pools, cfg.backend)
+        self.on_tokens, self.acceptance = on_tokens, acceptance
+        self.split, self.reload_failures, self._stalled_s = TimeSplit(), 0, 0.0
+        self.t0 = time.perf_counter()
         try:
-            while any(s.phase != Phase.FINISHED for s in seqs):
-                now = time.perf_counter() - t0
-                while arrivals and arrivals[0].request.arrival_s <= now:
-                    sched.waiting.append(arrivals.pop(0))
-                sched.admit(self.compressed_len)
-                if sched.prefilling:
-                    self._prefill(sched.prefilling.popleft(), split)
-                    continue
-                if not self._decode_step(split):
-                    self._idle(arrivals, split)
+            while not self.scheduler.finished:
+                self.step()
         finally:
-            if link is not None:
-                link.close()
-        makespan = time.perf_counter() - t0
-        return ServingReport.build(cfg, seqs, makespan, split, blocks, link, self.reload_failures)
+            if self.link is not None:
+                self.link.close()
+        makespan = time.perf_counter() - self.t0
+        return ServingReport.build(cfg, seqs, makespan, self.split, blocks, self.link, self.reload_failures)
 
-    # ---- one prefill ----
-    def _prefill(self, seq: Sequence, split: TimeSplit) -> None:
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def step(self) -> None:
+        """One step: schedule -> run -> postprocess."""
+        batch = self.scheduler.schedule(self.now())
+        if batch.empty:
+            return self._idle()
+        if batch.prefill is not None:
+            t = time.perf_counter()
+            result, compute_s = self._prefill(batch.prefill), 0.0
+            self.split.prefill_s += time.perf_counter() - t
+        else:
+            got = self._packed_step(batch)
+            if got is None:
+                return
+            result, compute_s = got
+        for _, n in self.scheduler.postprocess(batch, result, self.now(), compute_s):
+            if self.on_tokens is not None:
+                self.on_tokens(n)
+
+    # ---- run: one prefill ----
+    def _prefill(self, seq: Sequence) -> Prefilled:
         """The prompt's forward, layer by layer: full KV -> its own blocks (full), or -> the compressor and the
         draft pool (lossy, vericache) and the host tier + the resident tail (vericache)."""
-        sched, runner, link, pools, on_tokens, _ = self._state
-        t = time.perf_counter()
-        seq.admitted_s = t - self.t0
-        held = sched.prefill_bytes(seq)
-        sched.blocks.hold(held)
-        policy, bs = self.cfg.policy, self.cfg.block_size
+        policy, bs, pools = self.cfg.policy, self.cfg.block_size, self.pools
         stored = seq.prompt_len // bs * bs
-        host = HostEntry([], [], stored)
+        host = HostEntry([], [], stored) if policy == "vericache" else None
         pin = self.model.device.type == "cuda"
+        draft_len = 0
 
         def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor, obs: torch.Tensor | None) -> None:
+            nonlocal draft_len
             if policy == "full":
                 full = pools["full"]
                 full.write(layer, full.slots(seq.blocks["full"], 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
@@ -147,178 +183,87 @@ class ServingEngine:
             ck, cv = comp.layer_kv(0, torch.float32)
             draft = pools["draft"]
             draft.write(layer, draft.slots(seq.blocks["draft"], 0, ck.shape[1]), ck.transpose(0, 1), cv.transpose(0, 1))
-            seq.draft_len = ck.shape[1]
-            if policy == "vericache":
+            draft_len = ck.shape[1]
+            if host is not None:
                 kb, vb = to_host_blocks(k, v, stored, bs, self.model.dtype, pin)
                 host.keys.append(kb)
                 host.values.append(vb)
                 full = pools["full"]  # the prompt's last partial block stays resident
-                full.write(
-                    layer,
-                    full.slots(seq.blocks["full"], 0, seq.prompt_len - stored),
-                    k[:, stored:].transpose(0, 1),
-                    v[:, stored:].transpose(0, 1),
-                )
+                tail = full.slots(seq.blocks["full"], 0, seq.prompt_len - stored)
+                full.write(layer, tail, k[:, stored:].transpose(0, 1), v[:, stored:].transpose(0, 1))
 
         obs = self.cfg.obs_window if self.compressor is not None and self.compressor.needs_queries else 0
-        logits = runner.prefill(seq.request.prompt_ids, obs, on_layer, self.prefill_store)
-        seq.full_len = seq.prompt_len
-        if policy == "vericache":
-            self.host[seq.request_id] = host
-            seq.stored_prompt = stored
-        sched.blocks.release(held)
+        logits = self.runner.prefill(seq.request.prompt_ids, obs, on_layer, self.prefill_store)
         first, _ = sample(logits[None], self.cfg.temperature, seq.generator)
-        seq.pending = int(first[0])
-        split.prefill_s += time.perf_counter() - t
-        sched.step += 1
-        self._emit(seq, [seq.pending])
-        if seq.phase != Phase.FINISHED:
-            sched.running.append(seq)
-            seq.phase = Phase.DRAFTING if self.cfg.policy == "vericache" else Phase.DECODING
-            if self.cfg.policy == "vericache":
-                sched.start_round(seq)
+        return Prefilled(int(first[0]), draft_len, host)
 
-    # ---- one decode step ----
-    def _decode_step(self, split: TimeSplit) -> bool:
-        sched, runner, link, pools, _, _ = self._state
-        if link is not None:
-            for seq in sched.running:
-                if seq.verify_step is None and seq.phase in (Phase.DRAFTING, Phase.RELOADING):
-                    sched.plan(seq)
-            for seq in sched.due_reloads():
-                self._start_reload(seq)
-        segments = sched.segments()
-        if not segments:
-            return False
+    # ---- run: one packed forward ----
+    def _packed_step(self, batch: Batch) -> tuple[dict[int, Sampled], float] | None:
+        """Every running row's tokens in one forward; then each row's token: sampled (decode, draft) or by the
+        accept rule (verify). None when a reload failed (its KV recomputed; the verifications retry)."""
         try:
-            logits, dt, wait = runner.step(segments)
+            logits, dt, wait = self.runner.step(batch.segments)
         except ReloadFailed:
-            for seg in segments:
+            for seg in batch.segments:
                 if seg.kind == "verify" and seg.reload is not None and seg.reload.error is not None:
                     self._recompute_full(seg.seq)
-            for seg in segments:
-                if seg.kind == "verify":
-                    seg.seq.phase = Phase.RELOADING
-            return True
+            self.scheduler.verify_failed(batch)
+            return None
         self._stalled_s = 0.0
-        kinds = {s.kind for s in segments}
-        split.add_step(kinds, dt, wait)
-        sched.step_s = 0.8 * sched.step_s + 0.2 * (dt - wait) if sched.step > 0 else dt - wait
-        sched.step += 1
-        sched.rings.advance(sched.step)
-        for seg in segments:
-            self._after(seg, logits[id(seg.seq)])
-        return True
+        self.split.add_step({s.kind for s in batch.segments}, dt, wait)
+        out = {}
+        for seg in batch.segments:
+            lg, seq = logits[id(seg.seq)], seg.seq
+            if seg.kind != "verify":
+                tok, q = sample(lg[-1:], self.cfg.temperature, seq.generator)
+                out[id(seq)] = Sampled(int(tok[0]), None if q is None else q[0])
+                continue
+            k = len(seq.drafts)
+            if self.acceptance is not None:  # replayed acceptance (a random-weight model)
+                n, token = min(k, int(self.acceptance(seq, k))), None
+                token = int(lg[n].argmax())
+            else:
+                d = torch.tensor([seq.drafts], device=lg.device, dtype=torch.long).view(1, k)
+                q = torch.stack(seq.draft_probs)[None] if self.cfg.temperature > 0 and k else None
+                nt, tt = verify(d, lg[None], self.cfg.temperature, q, seq.generator)
+                n, token = int(nt[0]), int(tt[0])
+            self._keep_exact(seg, n + 1)
+            out[id(seq)] = Sampled(token, accepted=n)
+        return out, dt - wait
 
-    def _start_reload(self, seq: Sequence, ring: int | None = None) -> None:
-        sched, _, link, _, _, _ = self._state
-        n = sched.staging_blocks(seq)
-        if ring is None:
-            ring = sched.plans[seq.request_id][2] if seq.request_id in sched.plans else sched.ring_layers(seq)
-        try:
-            seq.staging = sched.blocks.allocate("full", n, ring) if n else []
-        except BudgetExceeded:  # a prefill holds memory now: try again next step
-            return
-        seq.staging_ring = ring
-        seq.reload = link.submit(self.host[seq.request_id], sched.blocks.pools["full"], seq.staging, ring)
-        seq.phase = Phase.RELOADING
+    def _keep_exact(self, seg: Segment, keep: int) -> None:
+        """The draft cache gets the exact KV of pending + the accepted drafts, from the verify pass."""
+        seq, full, draft = seg.seq, self.pools["full"], self.pools["draft"]
+        src = full.slots(seg.view, seq.full_len, keep)
+        dst = draft.slots(seq.blocks["draft"], seq.draft_len - len(seq.drafts), keep)
+        bs = full.block_size
+        for layer in range(len(full.caches)):
+            kc, vc = full.caches[layer]
+            draft.write(layer, dst, kc[src // bs, :, :, src % bs], vc[src // bs, :, src % bs])
 
     def _recompute_full(self, seq: Sequence) -> None:
         """The reload failed: recompute the prompt's stored part into the staging blocks (exact KV)."""
-        _, runner, _, pools, _, _ = self._state
         self.reload_failures += 1
-        full = pools["full"]
+        full = self.pools["full"]
 
         def into_staging(layer: int, k: torch.Tensor, v: torch.Tensor, obs) -> None:
             full.write(layer, full.slots(seq.staging, 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
 
-        runner.prefill(seq.request.prompt_ids[: seq.stored_prompt], 0, into_staging)
+        self.runner.prefill(seq.request.prompt_ids[: seq.stored_prompt], 0, into_staging)
         seq.reload = _Ready()
 
-    def _after(self, seg, lg: torch.Tensor) -> None:
-        sched, _, _, pools, _, acceptance = self._state
-        seq, temp = seg.seq, self.cfg.temperature
-        if seg.kind == "decode":
-            tok, _ = sample(lg[-1:], temp, seq.generator)
-            if self.cfg.policy == "full":
-                seq.full_len += 1
-            else:
-                seq.draft_len += 1
-            seq.pending = int(tok[0])
-            self._emit(seq, [seq.pending])
-            return
-        if seg.kind == "draft":
-            tok, q = sample(lg[-1:], temp, seq.generator)
-            seq.drafts.append(int(tok[0]))
-            if q is not None:
-                seq.draft_probs.append(q[0])
-            seq.draft_len += 1
-            return
-        # verify: accept the longest prefix the full model agrees with, plus one bonus token
-        k, d = len(seq.drafts), torch.tensor([seq.drafts], device=lg.device, dtype=torch.long)
-        if acceptance is not None:
-            n = min(k, int(acceptance(seq, k)))
-            bonus = int(lg[n].argmax())
-        elif temp <= 0:
-            nt, bt = accept_greedy(d.reshape(1, k), lg[None])
-            n, bonus = int(nt[0]), int(bt[0])
-        elif k == 0:  # nothing drafted (the verify step came first): one sample of the full-KV distribution
-            n, bonus = 0, int(sample(lg[:1], temp, seq.generator)[0][0])
-        else:
-            q = torch.stack(seq.draft_probs)[None]
-            nt, bt = accept_sampling(d.reshape(1, k), q, probs(lg[None], temp), seq.generator)
-            n, bonus = int(nt[0]), int(bt[0])
-        sched.estimates.setdefault(seq.request_id, AcceptanceEstimate(self.cfg.alpha_prior)).update(n, k)
-        seq.accepted.append(n)
-        keep, base_full, base_draft = n + 1, seq.full_len, seq.draft_len - k
-        full, draft = pools["full"], pools["draft"]
-        view = seq.staging + seq.blocks["full"]
-        src = full.slots(view, base_full, keep)
-        dst = draft.slots(seq.blocks["draft"], base_draft, keep)
-        for layer in range(len(full.caches)):  # the draft cache gets the accepted tokens' exact KV
-            kc, vc = full.caches[layer]
-            bs = full.block_size
-            kx = kc[src // bs, :, :, src % bs]
-            vx = vc[src // bs, :, src % bs]
-            draft.write(layer, dst, kx, vx)
-        seq.full_len, seq.draft_len = base_full + keep, base_draft + keep
-        new = seq.drafts[:n] + [bonus]
-        seq.drafts, seq.draft_probs, seq.pending = [], [], bonus
-        sched.release_staging(seq)
-        self._emit(seq, new)
-        if seq.phase != Phase.FINISHED:
-            seq.phase = Phase.DRAFTING
-            sched.start_round(seq)
-
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        sched, _, _, _, on_tokens, _ = self._state
-        before = len(seq.output)
-        done = seq.emit(tokens, self.model.cfg.eos_token_ids, self.cfg.stop_at_eos, time.perf_counter() - self.t0)
-        if on_tokens is not None:
-            on_tokens(len(seq.output) - before)
-        if done:
-            sched.finish(seq)
-            self.host.pop(seq.request_id, None)
-
-    def _idle(self, arrivals: list[Sequence], split: TimeSplit) -> None:
-        """Nothing to compute: start the next planned reload early and wait for the link, or for an arrival."""
-        sched, _, link, _, _, _ = self._state
+    # ---- nothing to compute ----
+    def _idle(self) -> None:
+        """Wait for the link (a reload in flight, or one started early), or for the next arrival."""
         t = time.perf_counter()
-        inflight = [s.reload for s in sched.running if s.reload is not None and not s.reload.done]
-        if link is not None and not inflight:
-            waiting = sorted(
-                (s for s in sched.running if s.reload is None),
-                key=lambda s: (s.verify_step is None, s.verify_step or 0),
-            )
-            for seq in waiting[:1]:  # nothing else can run: the smallest ring (admission kept room for it)
-                self._start_reload(seq, ring=2)
-            inflight = [s.reload for s in sched.running if s.reload is not None and not s.reload.done]
-        if inflight:
-            inflight[0].layer_ready[-1].wait(0.5)
-            split.link_wait_s += time.perf_counter() - t
+        sched = self.scheduler
+        reload = sched.reload_to_wait_for()
+        if reload is not None:
+            reload.layer_ready[-1].wait(0.5)
+            self.split.link_wait_s += time.perf_counter() - t
             return
-        if arrivals:
-            delay = arrivals[0].request.arrival_s - (time.perf_counter() - self.t0)
+        if sched.arrivals:
+            delay = sched.arrivals[0].request.arrival_s - self.now()
             if delay > 0:
                 time.sleep(min(delay, 0.5))
         else:  # nothing running can move, nothing in flight, nothing to arrive: the scheduler is stuck
@@ -331,7 +276,7 @@ class ServingEngine:
                     f"{[s.request_id for s in sched.waiting]}, {sched.blocks.resident} of "
                     f"{sched.blocks.budget} bytes in use"
                 )
-        split.idle_s += time.perf_counter() - t
+        self.split.idle_s += time.perf_counter() - t
 
 
 class _Ready:

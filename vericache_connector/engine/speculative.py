@@ -8,7 +8,6 @@ emitted tokens, with their EXACT (full-KV) keys and values.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -16,21 +15,19 @@ import torch
 
 from ..model.causal_lm import CausalLM
 from ..model.kv_cache import KVCache, RowCache
-from ..model.sampling import accept_greedy, accept_sampling, probs, sample
+from ..model.sampling import DecodeSettings, emit, sample, verify
 
 Tensor = torch.Tensor
 
 
 @dataclass
-class DecodeConfig:
+class DecodeConfig(DecodeSettings):
+    """One request or a static batch (VeriCacheEngine). k_min, k_max, temperature, stop_at_eos: DecodeSettings."""
+
     max_new_tokens: int = 64
     draft_k: int = 8  # draft horizon (the start value when adaptive)
     adaptive: bool = False  # grow k on full acceptance, shrink it on early rejection
-    k_min: int = 2
-    k_max: int = 32
-    temperature: float = 0.0  # 0 = greedy
     seed: int | None = None
-    stop_at_eos: bool = True
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -40,10 +37,7 @@ class DecodeConfig:
                 f"need 1 <= k_min <= draft_k <= k_max, got k_min={self.k_min}, "
                 f"draft_k={self.draft_k}, k_max={self.k_max}"
             )
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        super().__post_init__()
 
     @property
     def cache_headroom(self) -> int:
@@ -89,12 +83,7 @@ def _room(model, full: KVCache, p_len: int) -> int:
 
 
 def _emit(out: list[int], new: list[int], cfg: DecodeConfig, eos: tuple[int, ...]) -> bool:
-    """Append tokens up to the budget / first EOS; True when the row is finished."""
-    for t in new:
-        out.append(t)
-        if len(out) >= cfg.max_new_tokens or (cfg.stop_at_eos and t in eos):
-            return True
-    return False
+    return emit(out, new, cfg.max_new_tokens, eos, cfg.stop_at_eos)
 
 
 @torch.inference_mode()
@@ -162,10 +151,8 @@ def speculative_decode(
         target_logits, _ = model(verify_in, positions, full)
         target_logits = target_logits[:, p_len - 1 :]
         # 3) ACCEPT the longest prefix that the full model agrees with, plus one bonus token.
-        if cfg.temperature <= 0:
-            n, bonus = accept_greedy(d, target_logits)
-        else:
-            n, bonus = accept_sampling(d, torch.stack(q_probs, 1), probs(target_logits, cfg.temperature), gen)
+        q = torch.stack(q_probs, 1) if cfg.temperature > 0 else None
+        n, bonus = verify(d, target_logits, cfg.temperature, q, gen)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

@@ -218,19 +218,29 @@ class CausalLM(nn.Module):
         """input_ids/positions [B, q]; writes KV, advances cache.lengths by q.
         Returns logits [B, q, V] (float32; only the last position if last_only) and, when obs_window>0,
         the last obs_window post-RoPE queries of every layer ([B, H, W, D] each)."""
+        x, obs = self.hidden_states(input_ids, positions, cache, obs_window)
+        return self.logits(x[:, -1:] if last_only else x), obs
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, input_ids: Tensor, positions: Tensor, cache: RowCache, obs_window: int = 0
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """The decoder without its head: [B, q, hidden] before the final norm (and the observation queries,
+        as forward). A caller that needs logits at a few positions only (the verifier) heads just those."""
         freqs = positions[..., None].float() * self.inv_freq  # [B, q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, q, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         obs = [] if obs_window > 0 else None
         x = self.embed_tokens(input_ids)
-        q = input_ids.shape[1]
         for i, layer in enumerate(self.layers):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, obs, obs_window)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.advance(q)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float(), obs
+        cache.advance(input_ids.shape[1])
+        return x, obs
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The head: final norm + lm_head, float32 logits."""
+        return self.lm_head(self.norm(hidden)).float()
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | None = None) -> CausalLM:

@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.speculative import DecodeConfig, SpecStats
-from ..model.sampling import probs
+from ..model.sampling import emit, probs
 from . import rpc
+from .client import VerifierClient
 
 logger = logging.getLogger("vericache.remote")
 
@@ -60,25 +61,12 @@ class Verified:
     batched: list[int] = field(default_factory=list)  # rows of the verifier forward behind each answer
 
 
-def make_verifier(url: str, token_file: str | None, timeout_s: float):
-    """tcp://... -> our verifier (rpc.VerifierClient); http(s)://... -> a vLLM OpenAI server (greedy)."""
-    if url.startswith(("http://", "https://")):
-        from .openai_verifier import OpenAIVerifier
-
-        token = None
-        try:
-            token = rpc.verifier_token(token_file)
-        except ValueError:
-            if token_file:
-                raise
-        return OpenAIVerifier(url, token, timeout_s)
-    return rpc.VerifierClient(url, rpc.verifier_token(token_file), timeout_s)
-
-
 class VerifiedDecode:
     """One request's pipeline. open() sends the first call; run() drafts and verifies to the end."""
 
-    def __init__(self, client, model_name: str, prompt: list[int], stored: int, decode: DecodeConfig, model_cfg):
+    def __init__(
+        self, client: VerifierClient, model_name: str, prompt: list[int], stored: int, decode: DecodeConfig, model_cfg
+    ):
         self.client, self.model_name, self.prompt, self.stored = client, model_name, list(prompt), stored
         self.decode, self.vocab, self.eos = decode, model_cfg.vocab_size, model_cfg.eos_token_ids
         self.request = uuid.uuid4().hex[:16]
@@ -135,7 +123,7 @@ class VerifiedDecode:
         cached = stored
         out = Verified([], SpecStats(accepted=[[]]))
         k_cap = min(max(d.k_max, d.draft_k), rpc.MAX_DRAFTS)
-        send_at = d.k_min if getattr(self.client, "cheap_calls", False) else d.draft_k
+        send_at = d.k_min if self.client.cheap_calls else d.draft_k
 
         def tail(start: int) -> list[int]:  # S[start:]
             rest = self.emitted + spec
@@ -206,10 +194,6 @@ class VerifiedDecode:
         new = spec[:n] + [t]
         del spec[: x + 1 if keep_ahead else len(spec)]
         del qs[: x + 1 if keep_ahead else len(qs)]
-        for tok in new:  # emit up to the budget / the first EOS
-            self.emitted.append(tok)
-            if len(self.emitted) >= self.decode.max_new_tokens or (self.decode.stop_at_eos and tok in self.eos):
-                self.done = True
-                break
+        self.done = emit(self.emitted, new, self.decode.max_new_tokens, self.eos, self.decode.stop_at_eos)
         out.first_token_t = out.first_token_t or time.perf_counter()
         return min(cached, common)

@@ -26,6 +26,9 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
+import torch
+
+from ..model.sampling import verify
 from . import rpc
 
 MAX_RESPONSE_BYTES = 64 << 20  # prompt_logprobs of a long prompt: ~200 bytes per token
@@ -92,16 +95,11 @@ class OpenAIVerifier:
             bonus = int(choice["token_ids"][0])
             if len(plp) != len(seq) + len(drafts):
                 raise ValueError(f"{len(plp)} prompt logprobs for {len(seq) + len(drafts)} prompt tokens")
-            n, token = 0, bonus
-            for j, d in enumerate(drafts):
-                top = _argmax(plp[len(seq) + j])
-                if top != d:
-                    token = top
-                    break
-                n += 1
+            best = [_argmax(plp[len(seq) + j]) for j in range(len(drafts))] + [bonus]  # its greedy tokens
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise rpc.BadAnswer(f"vLLM verifier {self.base}: unexpected answer ({type(e).__name__}: {e})") from None
-        return rpc.Verdict(call.request, call.seq, n, token)
+        n, token = verify(torch.tensor([drafts], dtype=torch.long).view(1, -1), torch.tensor([best]))
+        return rpc.Verdict(call.request, call.seq, int(n[0]), int(token[0]))
 
     def _served_model(self) -> str:
         try:

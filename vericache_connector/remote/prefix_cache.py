@@ -152,7 +152,7 @@ class RemotePrefixCache:
         self.store = self.client.store
         self.verifier = None
         if cfg.verifier:
-            from .drafter import make_verifier
+            from .client import make_verifier
 
             try:
                 self.verifier = make_verifier(cfg.verifier, cfg.verifier_token_file, cfg.verifier_timeout_s)

@@ -7,7 +7,7 @@ sequence seq = prompt + emitted and the drafts d_1..d_x; with keep = the longest
 seq (at most len(seq) - 1, so at least one token is fed), one forward over feed = seq[keep:] + d gives the
 full-KV logits at the last x + 1 positions: z_0 predicts d_1, ..., z_x predicts the token after d_x. Then
   greedy:   n = leading i with d_i == argmax z_{i-1}; token = argmax z_n (correction, or bonus if n == x)
-  sampling: accept_sampling (Leviathan et al.) with the drafter's q and p = softmax(z / T)
+  sampling: Leviathan et al.'s rule with the drafter's q and p = softmax(z / T) (model/sampling.verify)
 and the resident keeps seq + d_1..d_n (lengths rolled back past them). Because a call names the whole
 sequence, a retried call, a call after an eviction or after a verifier restart is answered the same way
 (a lost resident is loaded again). Nothing the drafter sends is trusted beyond that: ids are range-checked,
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.kv_cache import KVCache, RowCache
-from ..model.sampling import accept_greedy, accept_sampling, probs
+from ..model.sampling import verify
 from . import rpc
 
 Tensor = torch.Tensor
@@ -83,21 +83,6 @@ class GroupCache(RowCache):
         for c in self.caches:
             c.advance(q)
         self.lengths += q
-
-
-@torch.inference_mode()
-def hidden_states(model, ids: Tensor, positions: Tensor, cache: RowCache) -> Tensor:
-    """CausalLM.forward without the final norm and lm_head: [B, q, hidden] (the logits are then computed
-    only where a verdict needs them; tests/unit/test_verifier_protocol.py checks it against forward)."""
-    freqs = positions[..., None].float() * model.inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    cos, sin = emb.cos().to(model.dtype), emb.sin().to(model.dtype)
-    x = model.embed_tokens(ids)
-    for i, layer in enumerate(model.layers):
-        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, None, 0)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    cache.advance(ids.shape[1])
-    return x
 
 
 class VerifierCore:
@@ -206,13 +191,13 @@ class VerifierCore:
             pos.append(list(range(keep, keep + width)))
         caches = [r.cache for _, r in calls]
         cache = caches[0] if len(caches) == 1 else GroupCache(caches)
-        h = hidden_states(self.model, torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), cache)
+        h, _ = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), cache)
         # logits only where a verdict needs them: the last x + 1 positions of each row's real feed
         picks = [
             h[b, len(feed) - len(call.drafts) - 1 : len(feed)]
             for b, ((call, _), (_, feed)) in enumerate(zip(calls, plans))
         ]
-        logits = self.model.lm_head(self.model.norm(torch.cat(picks))).float()
+        logits = self.model.logits(torch.cat(picks))
         out, at = [], 0
         for (call, r), (keep, feed) in zip(calls, plans):
             x = len(call.drafts)
@@ -231,18 +216,15 @@ class VerifierCore:
         return out
 
     def _accept(self, call: rpc.Verify, z: Tensor) -> tuple[int, int]:
-        """z [1, x + 1, V] -> (accepted, next token)."""
+        """z [1, x + 1, V] -> (accepted, next token), by the one accept rule (model/sampling.verify)."""
         x, dev = len(call.drafts), z.device
         d = torch.tensor([list(call.drafts)], dtype=torch.long, device=dev)
-        if call.temperature <= 0:
-            n, token = accept_greedy(d, z)
-            return int(n[0]), int(token[0])
-        gen = torch.Generator().manual_seed((call.seed * 1_000_003 + len(call.emitted)) % (1 << 63))
-        p = probs(z, call.temperature)
-        if x == 0:
-            return 0, int(torch.multinomial(p[0], 1, generator=gen)[0, 0])
-        q = torch.frombuffer(bytearray(call.q), dtype=torch.float32).view(1, x, -1).to(dev)
-        n, token = accept_sampling(d, q, p, gen)
+        gen, q = None, None
+        if call.temperature > 0:
+            gen = torch.Generator().manual_seed((call.seed * 1_000_003 + len(call.emitted)) % (1 << 63))
+            if x:
+                q = torch.frombuffer(bytearray(call.q), dtype=torch.float32).view(1, x, -1).to(dev)
+        n, token = verify(d, z, call.temperature, q, gen)
         return int(n[0]), int(token[0])
 
     def _grow(self, r: Resident, need: int) -> None:

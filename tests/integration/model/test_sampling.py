@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from vericache_connector.compressors import get_compressor
 from vericache_connector.engine.speculative import DecodeConfig, speculative_decode
-from vericache_connector.model.sampling import accept_sampling
+from vericache_connector.model.sampling import verify
 
 
 def empirical(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -37,7 +37,7 @@ def test_rejection_sampler_emits_target_distribution(k):
     p = torch.softmax(torch.randn(k + 1, v, generator=g) * 2, -1)
     q = torch.softmax(torch.randn(k, v, generator=g) * 2, -1)
     draft = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=g) for i in range(k)], 1)
-    nacc, bonus = accept_sampling(draft, q.expand(n, k, v), p.expand(n, k + 1, v), g)
+    nacc, bonus = verify(draft, p.log().expand(n, k + 1, v), 1.0, q.expand(n, k, v), g)  # softmax(log p) = p
     first = torch.where(nacc > 0, draft[:, 0], bonus)
     assert chi2_pvalue(empirical(first, v), p[0]) > 1e-3
     # the test has power: the draft distribution itself is rejected

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vericache_connector.engine.scheduler import ServingConfig
+from vericache_connector.engine.config import ServingConfig
 from vericache_connector.engine.sequence import Request
 from vericache_connector.engine.serving import ServingEngine
 

@@ -1,0 +1,62 @@
+"""ServingConfig: the serving engine's settings (continuous batching under a device KV budget)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..model.sampling import DecodeSettings
+
+POLICIES = ("full", "lossy", "vericache")
+
+
+@dataclass(kw_only=True)
+class ServingConfig(DecodeSettings):
+    """Continuous batching under a device KV budget. k_min / k_max bound the draft horizon chosen per row and
+    round, temperature and stop_at_eos as in DecodeSettings (the serving defaults: k in [4, 64], EOS ignored,
+    so every request emits max_new_tokens and traces are comparable across policies)."""
+
+    policy: str = "vericache"
+    budget_bytes: int | None = None  # device KV budget (None: unlimited)
+    compressor: str = "snapkv-4x"  # the compressed KV (lossy, vericache)
+    draft_dtype: str = "float16"  # the draft pool's storage
+    link_bytes_per_s: float | None = None  # host link (None: as fast as memory copies go)
+    block_size: int = 128
+    max_rows: int = 64
+    horizon: int | None = None  # a fixed draft horizon; None: chosen per row and round
+    k_min: int = 4
+    k_max: int = 64
+    stop_at_eos: bool = False
+    alpha_prior: float = 0.8  # per-draft acceptance before a row has verified (measured curve)
+    verify_cost: float = 1.0  # a verification's cost in draft steps (horizon choice)
+    staging_layers: int | None = None  # the staging ring's layers; None: as many as keep the forward from waiting
+    lookahead: int = 512  # W: steps the reservation rings plan ahead
+    obs_window: int = 32
+    backend: str = "auto"  # kernels backend (auto | ref)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.budget_bytes is not None and not (_is_int(self.budget_bytes) and self.budget_bytes > 0):
+            raise ValueError(f"budget_bytes must be a positive integer or None, got {self.budget_bytes!r}")
+        for name in ("block_size", "max_rows", "lookahead"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (_is_int(self.obs_window) and self.obs_window >= 0):
+            raise ValueError(f"obs_window must be an integer >= 0, got {self.obs_window!r}")
+        if self.horizon is not None and not (_is_int(self.horizon) and 1 <= self.horizon <= self.k_max):
+            raise ValueError(f"horizon must be in [1, k_max={self.k_max}], got {self.horizon!r}")
+        if not 0 < self.alpha_prior < 1:
+            raise ValueError(f"alpha_prior must be in (0, 1), got {self.alpha_prior}")
+        if not (math.isfinite(self.verify_cost) and self.verify_cost >= 0):
+            raise ValueError(f"verify_cost must be a finite number >= 0, got {self.verify_cost!r}")
+        if self.staging_layers is not None and not (_is_int(self.staging_layers) and self.staging_layers >= 1):
+            raise ValueError(f"staging_layers must be >= 1 or None, got {self.staging_layers!r}")
+        rate = self.link_bytes_per_s
+        if rate is not None and not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"link_bytes_per_s must be a finite number > 0 or None, got {rate!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
