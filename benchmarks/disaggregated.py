@@ -81,8 +81,10 @@ class Cluster:
 
     def __init__(self, args, store: str, logs: Path, token: str):
         from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
+        from vericache_connector.remote.auth import write_keys
 
         self.args, self.store, self.logs, self.token = args, store, logs, token
+        self.keys = write_keys(str(logs / "keys"))  # CURVE: the verifier's and the drafters' key pairs
         self.scale = 1.0 if args.scale_to == "none" else KV_BYTES_PER_TOKEN / REF_KV_BYTES_PER_TOKEN[args.scale_to]
         self.verifier = self._start(
             ["verifier", "--port", "0", "--bandwidth-bytes-per-s", str(args.fast_gbyte * 1e9 * self.scale)], "verifier"
@@ -92,7 +94,7 @@ class Cluster:
     def env(self) -> dict[str, str]:
         from vericache_connector.demo import procs
 
-        return procs.node_env(self.store, {"VERICACHE_VERIFIER_TOKEN": self.token})
+        return procs.node_env(self.store, {"VERICACHE_VERIFIER_TOKEN": self.token, **self.keys})
 
     def cores(self, name: str) -> list[int] | None:
         """--pin: the verifier on the last core, the drafters on the rest (in every method alike)."""

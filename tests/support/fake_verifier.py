@@ -4,7 +4,8 @@
 
 MODE: silent (reads calls, never answers: a hung or very slow verifier), bytes (answers junk bytes),
 range (well-formed verdicts that cannot be right: more drafts accepted than were sent, a token id past the
-vocabulary), frames (three frames instead of one)."""
+vocabulary), frames (three frames instead of one). It speaks CURVE with the verifier's keys from the
+environment (auth.server_keys), as the real one does, admitting any drafter key."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import sys
 import msgspec
 import zmq
 
-from vericache_connector.remote import rpc
+from vericache_connector.remote import auth, rpc
 
 
 def main(mode: str) -> None:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    keys = auth.server_keys()
+    if keys is not None:
+        sock.curve_server, sock.curve_secretkey, sock.curve_publickey = True, keys.secret, keys.public
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(f"fake verifier: serving {mode} on tcp://127.0.0.1:{port}", flush=True)
     n = 0

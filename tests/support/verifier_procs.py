@@ -1,6 +1,7 @@
 """Real processes on 127.0.0.1 for the drafters + verifier tests: `vericache verifier`, `vericache drafter`
 and a fake verifier (fake_verifier.py) that answers garbage or nothing. Each process logs to a file; it is
-ready once it prints its "serving ... on <url>" line; stop() sends SIGTERM, kill() SIGKILL (a crash)."""
+ready once it prints its "serving ... on <url>" line; stop() sends SIGTERM, kill() SIGKILL (a crash).
+The processes get the token and the CURVE keys below by environment (never argv), as pods get Secrets."""
 
 from __future__ import annotations
 
@@ -16,11 +17,49 @@ import urllib.request
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "verifier-test-token-0123456789abcdef"  # tests only; real ones come from a Secret
+# CURVE key pairs (Z85), tests only: the verifier's, the drafters', and one the verifier does not admit
+SERVER_PUBLIC, SERVER_SECRET = b"Xi72&LXFBn1@-xj^{9MoY0Z(DX^S]0ef>8zW}bs?", b"^BmVXHkCyLq-UPiC{wX]Hnq^tWEeKzDI]>-g3^AG"
+CLIENT_PUBLIC, CLIENT_SECRET = b"(kH:EuYB*)})My^u?t[5R!GGWPosyvZY)xtq+Qac", b"&4i*1AA?YxD4S%280Q]RHQb&xdgNp8cP4$zr(h7p"
+STRANGER_PUBLIC, STRANGER_SECRET = (
+    b"8E]HDG[Um3-s^I+gC:gG9w=<0O(L)c.P+mKQRwKf",
+    b"8+AaZ/*sCfy>7N^H@iAfnonjKBS:}F&[HQ%rYu&y",
+)
+
+
+def client_env() -> dict[str, str]:
+    """What a drafter needs: the token, its secret key and the verifier's public key."""
+    return {
+        "VERICACHE_VERIFIER_TOKEN": TOKEN,
+        "VERICACHE_VERIFIER_CLIENT_SECRET_KEY": CLIENT_SECRET.decode(),
+        "VERICACHE_VERIFIER_PUBLIC_KEY": SERVER_PUBLIC.decode(),
+    }
+
+
+def server_env() -> dict[str, str]:
+    """What the verifier needs: the token, its secret key and the drafters' public keys."""
+    return {
+        "VERICACHE_VERIFIER_TOKEN": TOKEN,
+        "VERICACHE_VERIFIER_SECRET_KEY": SERVER_SECRET.decode(),
+        "VERICACHE_VERIFIER_CLIENT_KEYS": CLIENT_PUBLIC.decode(),
+    }
 
 
 def proc_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERICACHE_VERIFIER_TOKEN")}
-    return {**env, "VERICACHE_VERIFIER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERICACHE_VERIFIER_")}
+    return {**env, **client_env(), **server_env(), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra}
+
+
+def dealer(url: str, secret: bytes = CLIENT_SECRET, public: bytes = CLIENT_PUBLIC):
+    """A raw DEALER to the verifier at url with these CURVE keys (tests that send hand-made frames)."""
+    import zmq
+
+    from vericache_connector.remote import rpc
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, SERVER_PUBLIC
+    sock.connect(rpc.zmq_endpoint(url))
+    return sock
 
 
 class Proc:
@@ -88,9 +127,9 @@ def generate(url: str, body: dict, timeout_s: float = 300) -> dict:
 
 def usage(url: str):
     """The verifier's counters (rpc.Usage), asked over its own protocol."""
-    from vericache_connector.remote import rpc
+    from vericache_connector.remote import auth, rpc
 
-    client = rpc.VerifierClient(url, TOKEN.encode(), timeout_s=10)
+    client = rpc.VerifierClient(url, TOKEN.encode(), timeout_s=10, keys=auth.client_keys(client_env()))
     try:
         return client.call(rpc.Stats())
     finally:

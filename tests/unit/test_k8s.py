@@ -980,3 +980,49 @@ def test_verifier_and_drafters_parse_their_args_and_read_the_token_from_the_secr
         assert volume["secret"]["defaultMode"] & 0o007 == 0
         assert "VERICACHE_VERIFIER_TOKEN" not in env  # never the value itself
         assert not any("TOKEN" in a.upper() for a in c["args"])
+
+
+def test_verifier_and_drafters_read_their_curve_keys_from_the_secret(tmp_path):
+    """Issue 28: the CURVE keys are Secret items mounted as files; each pod mounts only its own side's
+    (the verifier: its secret key and the drafters' public keys; a drafter: its secret key and the
+    verifier's public key). Laid out as the pods see them, with real keys, both sides load them and the
+    drafter's key is admitted by the verifier."""
+    from vericache_connector.remote import auth
+
+    secret = docs(SECRETS["verifier"])[0]
+    wants = {
+        "vericache-verifier": {auth.SECRET_KEY_ENV, auth.CLIENT_KEYS_ENV},
+        "vericache-drafter": {auth.CLIENT_SECRET_KEY_ENV, auth.PUBLIC_KEY_ENV},
+    }
+    generated = auth.write_keys(str(tmp_path / "generated"))  # what the Secret would hold
+    values = {name.removesuffix("_FILE"): Path(path).read_text() for name, path in generated.items()}
+    loaded = {}
+    for name, want in wants.items():
+        deployment = find(verifier_objects(), "Deployment", name)
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert not [k for k in env if k.startswith("VERICACHE_VERIFIER_") and "KEY" in k and not k.endswith("_FILE")]
+        keys = {k.removesuffix("_FILE") for k in env if "KEY" in k and k.startswith("VERICACHE_VERIFIER_")}
+        assert keys == want, (name, keys)  # its own side's keys, nothing of the other side's
+        mounted = {
+            i["key"]
+            for v in deployment["spec"]["template"]["spec"]["volumes"]
+            if v.get("secret")
+            for i in v["secret"]["items"]
+        }
+        assert mounted == want | {"VERICACHE_VERIFIER_TOKEN"}, (name, mounted)
+        pod_env = {}
+        for var in want:
+            item = secret_volume_of(deployment, c, env[f"{var}_FILE"]["value"])
+            assert item["secretName"] == secret["metadata"]["name"] and item["key"] in secret["stringData"]
+            path = tmp_path / name / item["path"]
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(values[item["key"]])
+            pod_env[f"{var}_FILE"] = str(path)
+        loaded[name] = (auth.server_keys if name == "vericache-verifier" else auth.client_keys)(pod_env)
+    verifier, drafter = loaded["vericache-verifier"], loaded["vericache-drafter"]
+    from zmq.utils import z85
+
+    assert drafter.server == verifier.public and z85.decode(drafter.public) in verifier.clients
+    with pytest.raises(ValueError, match="not a CURVE key"):  # the example's placeholders are not keys
+        auth.server_keys({k: v for k, v in secret["stringData"].items() if k in wants["vericache-verifier"]})

@@ -54,18 +54,21 @@ def _affinity(cores: list[int] | None):
 
 
 def write_verifier_secret(folder: str) -> dict[str, str]:
-    """A fresh verifier token in a file only this user reads; returns the environment that names it."""
+    """A fresh verifier token and CURVE keys (remote/auth.py) in files only this user reads; returns the
+    environment that names them."""
+    from ..remote.auth import write_keys
+
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, "verifier-token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(24))
-    return {"VERICACHE_VERIFIER_TOKEN_FILE": path}
+    return {"VERICACHE_VERIFIER_TOKEN_FILE": path, **write_keys(folder)}
 
 
 def node_env(store_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """One torch thread per process (each node is one core's worth of compute); no inherited verifier secret."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERICACHE_VERIFIER_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERICACHE_VERIFIER_")}
     return {
         **env,
         "VERICACHE_STORE_URL": store_url,

@@ -1,7 +1,10 @@
 """Command-line options of `vericache verifier` and `vericache drafter` (kept apart from the servers, so
 building the parser imports neither torch nor ZMQ). Secrets are never options: the store URL (it may carry
 a password) comes from --store or $VERICACHE_STORE_URL, the verifier token from
-$VERICACHE_VERIFIER_TOKEN_FILE (a mounted Secret) / $VERICACHE_VERIFIER_TOKEN or --token-file (a path)."""
+$VERICACHE_VERIFIER_TOKEN_FILE (a mounted Secret) / $VERICACHE_VERIFIER_TOKEN or --token-file (a path), the
+CURVE keys from the environment only (remote/auth.py: $VERICACHE_VERIFIER_SECRET_KEY_FILE and
+$VERICACHE_VERIFIER_CLIENT_KEYS_FILE for the verifier, $VERICACHE_VERIFIER_CLIENT_SECRET_KEY_FILE and
+$VERICACHE_VERIFIER_PUBLIC_KEY_FILE for a drafter)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ def add_verifier_args(p) -> None:
     p.add_argument("--ttl-s", type=float, default=30.0, help="free a request's KV after this long unused")
     p.add_argument("--max-batch", type=int, default=8, help="verify calls per forward")
     p.add_argument("--max-call-bytes", type=int, default=MAX_CALL_BYTES, help="larger calls are refused")
+    p.add_argument(
+        "--max-connections", type=int, default=256, help="open connections (a new one beyond is closed at once)"
+    )
 
 
 def add_drafter_args(p) -> None:

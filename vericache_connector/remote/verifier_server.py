@@ -1,6 +1,8 @@
 """`vericache verifier`: the verifier service next to the store, serving many drafters over ZMQ (rpc.py).
 
     VERICACHE_VERIFIER_TOKEN_FILE=/run/secrets/verifier/token \\
+    VERICACHE_VERIFIER_SECRET_KEY_FILE=/run/secrets/verifier/secret-key \\
+    VERICACHE_VERIFIER_CLIENT_KEYS_FILE=/run/secrets/verifier/client-keys \\
     vericache verifier --store redis://vericache-redis:6379/0 --model DIR --host 0.0.0.0 --port 8477
 
 One thread runs the loop: drain every call that has arrived (a forward's worth, from all drafters), check
@@ -10,6 +12,10 @@ goes on serving others), then verify every request whose KV is in, batched (veri
 A request's calls are answered in order; a resident not used for ttl_s is freed (its drafter died), and a
 Release frees it at once. The store URL may carry a password: it comes from --store or $VERICACHE_STORE_URL
 (a Secret) and is only ever shown redacted.
+
+Only drafters whose CURVE keys it was given get a call through (auth.py: the handshake, before any call is
+read), frames are small, open connections are capped, and each peer's calls waiting for an answer are
+capped in bytes (a Failure "busy" beyond). Refusals are logged at a bounded rate, request ids escaped.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from storage_backends import redact_url
 
 from . import rpc
+from .auth import Gate, LogLimiter, esc
 from .cli_args import store_config
 from .full_copy import stream_full_copy
 from .store_client import StoreClient
@@ -39,26 +46,66 @@ class ServerSettings:
     port: int = rpc.DEFAULT_PORT  # 0: any free port (printed)
     max_call_bytes: int = rpc.MAX_CALL_BYTES
     idle_poll_s: float = 0.05
+    max_connections: int = 256  # open TCP connections; one beyond is closed at once (auth.Gate)
+    max_pending_bytes: int | None = None  # per peer: its calls not yet answered (None: 2 x max_call_bytes)
+    handshake_s: float = 5.0  # a connection without a finished handshake by then is closed
+    heartbeat_s: float = 2.0  # pings; a drafter silent for 3x this is dropped
+    log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (auth.LogLimiter)
+
+    def __post_init__(self):
+        for name in ("max_call_bytes", "max_connections", "handshake_s", "heartbeat_s", "log_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_pending_bytes is None:
+            self.max_pending_bytes = 2 * self.max_call_bytes
+        if self.max_pending_bytes < self.max_call_bytes:
+            raise ValueError(f"max_pending_bytes ({self.max_pending_bytes}) must be >= max_call_bytes")
 
 
 class VerifierServer:
-    def __init__(self, core: VerifierCore, store: StoreClient, token: bytes, settings: ServerSettings | None = None):
+    """keys: auth.ServerKeys (CURVE), None (no CURVE: calls in clear, a test setup), or rpc.FROM_ENV."""
+
+    def __init__(
+        self, core: VerifierCore, store: StoreClient, token: bytes, settings: ServerSettings | None = None, keys=None
+    ):
         import zmq
 
+        from . import auth
+
         self.core, self.store, self.settings = core, store, settings or ServerSettings()
+        keys = auth.server_keys() if keys == rpc.FROM_ENV else keys
         self._token, self._zmq = token, zmq
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # ZMQ drops a peer whose message is over this (no answer: its call times out); calls between
-        # max_call_bytes and this get a Failure that says so.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.settings.max_call_bytes)
-        host = self.settings.host
-        if self.settings.port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self._ctx = zmq.Context()  # its own: the ZAP handler's endpoint is one per context
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        st = self.settings
+        for opt, value in (
+            (zmq.LINGER, 0),
+            # a frame over this (a handshake's too) and ZMQ drops the peer: what a peer without a key can
+            # make us hold; calls travel in frames of FRAME_BYTES (rpc.call_frames)
+            (zmq.MAXMSGSIZE, rpc.FRAME_BYTES + 1024),
+            (zmq.HANDSHAKE_IVL, int(st.handshake_s * 1000)),
+            (zmq.HEARTBEAT_IVL, int(st.heartbeat_s * 1000)),
+            (zmq.HEARTBEAT_TIMEOUT, int(3 * st.heartbeat_s * 1000)),
+        ):
+            self._sock.setsockopt(opt, value)
+        auth.secure_server(self._sock, keys)
+        self.limit = LogLimiter(logger, st.log_window_s)
+        self.gate = Gate(self._ctx, self._sock, keys, st.max_connections, self.limit)  # ZAP before bind
+        if st.port == 0:
+            self.port = self._sock.bind_to_random_port(f"tcp://{st.host}")
         else:
-            self._sock.bind(f"tcp://{host}:{self.settings.port}")
-            self.port = self.settings.port
-        self.queues: dict[str, deque] = {}  # request -> calls waiting, in order: (peer, Verify)
+            self._sock.bind(f"tcp://{st.host}:{st.port}")
+            self.port = st.port
+        self.gate.port = self.port
+        self.gate.start()
+        if keys is None:
+            logger.warning(
+                "no CURVE keys (%s=1): calls travel in clear, and anyone who reaches the port is read before "
+                "the token is checked",
+                auth.INSECURE_ENV,
+            )
+        self.queues: dict[str, deque] = {}  # request -> calls waiting, in order: (peer, Verify, bytes)
+        self.pending: dict[bytes, int] = {}  # peer -> bytes of its calls waiting
         self.loading: dict[str, tuple[Resident, object, float]] = {}  # request -> (resident, future, t0)
         self.failures: dict[str, int] = {}
         self.stop = threading.Event()
@@ -77,9 +124,17 @@ class VerifierServer:
                 if time.monotonic() - last_sweep > 1.0:
                     last_sweep = time.monotonic()
                     for name in self.core.expire(last_sweep, set(self.loading)):
-                        logger.info("request %s: idle for over %ss, its KV is freed", name, self.core.cfg.ttl_s)
+                        logger.info("request %s: idle for over %ss, its KV is freed", esc(name), self.core.cfg.ttl_s)
+                    self.limit.flush()
         finally:
+            self.gate.close()
+            try:
+                self._sock.disable_monitor()
+            except self._zmq.ZMQError:
+                pass
             self._sock.close(0)
+            if not self.gate.is_alive():
+                self._ctx.term()
 
     def _drain(self) -> None:
         zmq = self._zmq
@@ -95,31 +150,55 @@ class VerifierServer:
                 self._fail(peer, "", -1, e.code, str(e))
 
     def _take(self, peer: bytes, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            raise CallError("malformed", f"a call is 2 frames [token, body], got {len(frames)}")
+        f = rpc.FRAME_BYTES
+        if len(frames) < 2 or any(len(p) != f for p in frames[1:-1]) or len(frames[-1]) > f:
+            raise CallError(
+                "malformed",
+                f"a call is 2 frames [token, body] (a body over {f} bytes: in frames of {f}, the last one "
+                f"shorter), got {len(frames)} frames",
+            )
         if not hmac.compare_digest(frames[0], self._token):
             raise CallError("auth", "missing or wrong verifier token")
-        if len(frames[1]) > self.settings.max_call_bytes:
-            raise CallError(
-                "too_large", f"call of {len(frames[1])} bytes exceeds the limit of {self.settings.max_call_bytes}"
-            )
+        size = sum(len(p) for p in frames[1:])
+        if size > self.settings.max_call_bytes:
+            raise CallError("too_large", f"call of {size} bytes exceeds the limit of {self.settings.max_call_bytes}")
         try:
-            call = rpc.decode_call(frames[1])
+            call = rpc.decode_call(frames[1] if len(frames) == 2 else b"".join(frames[1:]))
         except ValueError as e:
             raise CallError("malformed", str(e)) from None
         if isinstance(call, rpc.Stats):
-            self._answer(peer, self.core.usage(self.failures))
+            self._answer(
+                peer, self.core.usage({**self.failures, **{f"gate_{k}": v for k, v in self.gate.counts.items()}})
+            )
         elif isinstance(call, rpc.Release):
-            self.queues.pop(call.request, None)
+            for item in self.queues.pop(call.request, ()):
+                self._done(item)
             if self.core.drop(call.request):
                 self.core.counts["released"] += 1
         else:
             try:
                 self.core.check(call)
+                waiting = self.pending.get(peer, 0)
+                if waiting + size > self.settings.max_pending_bytes:
+                    raise CallError(
+                        "busy",
+                        f"this drafter has {waiting} bytes of calls waiting, the limit is "
+                        f"{self.settings.max_pending_bytes}: try later",
+                    )
             except CallError as e:
                 self._fail(peer, call.request, call.seq, e.code, str(e))
                 return
-            self.queues.setdefault(call.request, deque()).append((peer, call))
+            self.pending[peer] = waiting + size
+            self.queues.setdefault(call.request, deque()).append((peer, call, size))
+
+    def _done(self, item: tuple[bytes, rpc.Verify, int]) -> None:
+        """A queued call leaves the queue (answered, failed or dropped): its bytes stop counting."""
+        peer, _, size = item
+        left = self.pending.get(peer, 0) - size
+        if left > 0:
+            self.pending[peer] = left
+        else:
+            self.pending.pop(peer, None)
 
     def _ready(self) -> list[tuple[bytes, rpc.Verify, Resident]]:
         """The head call of every request whose KV is in; starts loads, finishes the ones that are done."""
@@ -129,7 +208,7 @@ class VerifierServer:
         for name, queue in list(self.queues.items()):
             if not queue or name in self.loading:
                 continue
-            peer, call = queue[0]
+            peer, call, _ = queue[0]
             r = self.core.resident(call)
             if r is not None and r.ready:
                 ready.append((peer, call, r))
@@ -137,7 +216,7 @@ class VerifierServer:
             try:
                 r = self.core.admit(call, set(self.loading) | {c.request for _, c, _ in ready})
             except CallError as e:
-                queue.popleft()
+                self._done(queue.popleft())
                 self._fail(peer, call.request, call.seq, e.code, str(e))
                 continue
             self.loading[name] = (r, self.store.submit(self._load(call.prompt[: call.stored], r)), time.monotonic())
@@ -160,8 +239,10 @@ class VerifierServer:
         except Exception as e:  # store down, entry gone or corrupt: every waiting call is told
             if self.core.residents.get(name) is r:
                 self.core.drop(name)
-            logger.warning("request %s: full KV not loaded (%s: %s)", name, type(e).__name__, e)
-            for peer, call in self.queues.pop(name, ()):
+            logger.warning("request %s: full KV not loaded (%s: %s)", esc(name), type(e).__name__, e)
+            for item in self.queues.pop(name, ()):
+                self._done(item)
+                peer, call, _ = item
                 self._fail(peer, call.request, call.seq, "store", f"full KV not loaded: {type(e).__name__}: {e}")
             return
         if self.core.residents.get(name) is not r:
@@ -170,7 +251,7 @@ class VerifierServer:
         r.cache.lengths[0] = len(r.prefix)
         logger.info(
             "request %s: %d tokens of full KV loaded (%d bytes, %.3fs)",
-            name,
+            esc(name),
             len(r.prefix),
             nbytes,
             time.monotonic() - t0,
@@ -185,7 +266,7 @@ class VerifierServer:
         batches = [small[i : i + cfg.max_batch] for i in range(0, len(small), cfg.max_batch)] + [[x] for x in big]
         for batch in batches:
             for _, call, _ in batch:
-                self.queues[call.request].popleft()
+                self._done(self.queues[call.request].popleft())
             try:
                 verdicts = self.core.verify([(call, r) for _, call, r in batch])
             except Exception as e:  # noqa: BLE001 - answer the calls, keep serving
@@ -208,15 +289,18 @@ class VerifierServer:
 
     def _fail(self, peer: bytes, request: str, seq: int, code: str, message: str) -> None:
         self.failures[code] = self.failures.get(code, 0) + 1
-        logger.warning("refused a call%s: %s: %s", f" of request {request}" if request else "", code, message)
+        of = f" of request {esc(request, 64)}" if request else ""
+        self.limit(f"refused calls ({code})", "refused a call%s: %s: %s", of, code, esc(message, 500))
         self._answer(peer, rpc.Failure(request, seq, code, message))
 
 
 def main(args) -> int:
     """The CLI entry (cli.py `verifier`): load the model, connect to the store, serve until SIGTERM/SIGINT."""
     from ..engine import VeriCacheEngine
+    from . import auth
 
-    token = rpc.verifier_token(args.token_file)  # before anything slow: a missing token fails at once
+    token = rpc.verifier_token(args.token_file)  # before anything slow: a missing token or key fails at once
+    keys = auth.server_keys()
     logger.setLevel(logging.INFO)  # loads, expiries and refusals are the service's log
     store_cfg = store_config(args)
     engine = VeriCacheEngine.from_pretrained(args.model)
@@ -232,12 +316,15 @@ def main(args) -> int:
         ),
     )
     store = StoreClient(store_cfg, engine.model_name, engine.model.dtype, "vericache-verifier-store")
-    server = VerifierServer(core, store, token, ServerSettings(args.host, args.port, args.max_call_bytes))
+    settings = ServerSettings(args.host, args.port, args.max_call_bytes, max_connections=args.max_connections)
+    server = VerifierServer(core, store, token, settings, keys)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop.set())
     print(
         f"vericache verifier: serving {engine.model_name} on tcp://{args.host}:{server.port} "
-        f"(store {redact_url(store_cfg.url)}, KV budget {args.memory_gb:g} GiB; warmed up in {warm_s:.1f}s)",
+        f"(store {redact_url(store_cfg.url)}, KV budget {args.memory_gb:g} GiB, "
+        f"{'CURVE, ' + str(len(keys.clients)) + ' drafter keys' if keys else 'NO CURVE: calls in clear'}, "
+        f"at most {settings.max_connections} connections; warmed up in {warm_s:.1f}s)",
         flush=True,
     )
     try:

@@ -13,7 +13,7 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-from verifier_procs import TOKEN, drafter, generate, proc_env, seed_store, usage, verifier
+from verifier_procs import TOKEN, client_env, dealer, drafter, generate, proc_env, seed_store, usage, verifier
 
 from vericache_connector.data import load_prompt
 from vericache_connector.engine.speculative import DecodeConfig
@@ -38,13 +38,14 @@ def env(engine, tmp_path_factory):
     stored = seed_store(engine, store, ids)
     logs = tmp_path_factory.mktemp("verifier")
     v = verifier(store, str(logs / "verifier.log"), ttl_s=TTL_S)
-    os.environ["VERICACHE_VERIFIER_TOKEN"] = TOKEN  # the in-process drafters read it as pods do
+    os.environ.update(client_env())  # the in-process drafters read it as pods do
     try:
         yield SimpleNamespace(
             store=store, ids=ids, stored=stored, v=v, logs=logs, ref=engine.generate_full([engine.prefill(ids)], CFG)[0]
         )
     finally:
-        os.environ.pop("VERICACHE_VERIFIER_TOKEN", None)
+        for name in client_env():
+            os.environ.pop(name, None)
         v.stop()
 
 
@@ -142,11 +143,7 @@ def test_a_dying_drafter_leaves_no_state_behind(env, drafters):
 
 # ---- bad calls: a clear Failure each, and the verifier serves on -----------------------------------------
 def raw_call(url: str, frames: list[bytes]):
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(rpc.zmq_endpoint(url))
+    sock = dealer(url)
     try:
         sock.send_multipart(frames)
         assert sock.poll(30_000), "no answer"
@@ -162,7 +159,7 @@ def test_bad_calls_are_refused_clearly(engine, env):
         "wrong token": ([b"x" * 32, rpc.encode(good)], "auth", "token"),
         "three frames": ([TOKEN.encode(), b"a", b"b"], "malformed", "2 frames"),
         "junk body": ([TOKEN.encode(), b"\xc1junk"], "malformed", "not a verifier call"),
-        "oversized": ([TOKEN.encode(), b"\x00" * (rpc.MAX_CALL_BYTES + 1)], "too_large", "exceeds the limit"),
+        "oversized": ([TOKEN.encode(), *[b"\x00" * rpc.FRAME_BYTES] * 128, b"\x00"], "too_large", "exceeds the limit"),
         "other model": ([TOKEN.encode(), rpc.encode(_with(good, model="llama.0000"))], "model", "llama.0000"),
         "bad token id": ([TOKEN.encode(), rpc.encode(_with(good, drafts=[10**7]))], "malformed", "drafts"),
         "stored not whole chunks": ([TOKEN.encode(), rpc.encode(_with(good, stored=1000))], "malformed", "stored"),

@@ -12,7 +12,7 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-from verifier_procs import TOKEN, fake_verifier, seed_store, usage, verifier
+from verifier_procs import client_env, fake_verifier, seed_store, usage, verifier
 
 from vericache_connector.data import load_prompt
 from vericache_connector.engine.speculative import DecodeConfig
@@ -35,7 +35,7 @@ def env(engine, tmp_path_factory):
     ids = engine.encode(load_prompt("graphlib_py"))[:1100]
     seed_store(engine, store, ids)
     pre = engine.prefill(ids)  # generate_full copies it: one prefill serves both references
-    os.environ["VERICACHE_VERIFIER_TOKEN"] = TOKEN
+    os.environ.update(client_env())
     try:
         yield SimpleNamespace(
             store=store,
@@ -44,7 +44,8 @@ def env(engine, tmp_path_factory):
             ref={c.max_new_tokens: engine.generate_full([pre], c)[0] for c in (CFG, LONG)},
         )
     finally:
-        os.environ.pop("VERICACHE_VERIFIER_TOKEN", None)
+        for name in client_env():
+            os.environ.pop(name, None)
 
 
 def ask(engine, env, verifier_url: str, decode=CFG, timeout_s: float = 2.0, load_timeout_s: float | None = None):
