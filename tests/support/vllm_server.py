@@ -50,6 +50,7 @@ class ServerConfig:
     store: str | None = None  # None: plain vLLM, no connector
     compressor: str = "kivi4"
     spec_k: int = 0  # > 0: the compressed-KV proposer drafts this many tokens
+    ngram_k: int = 0  # > 0: vLLM's own n-gram proposer instead (prompt lookup 2-4, this many tokens)
     multi: bool = False  # the connector inside MultiConnector
     bandwidth_bytes_per_s: float | None = None  # emulated store read bandwidth
     timeout_s: float | None = None  # the connector's store timeout (None: RemoteCacheConfig's)
@@ -93,6 +94,9 @@ class ServerConfig:
                 "--speculative-config",
                 json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.spec_k}),
             ]
+        elif self.ngram_k > 0:
+            ngram = {"method": "ngram", "num_speculative_tokens": self.ngram_k}
+            cmd += ["--speculative-config", json.dumps({**ngram, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
         return cmd + self.extra_args
 
 

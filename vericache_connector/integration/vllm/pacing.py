@@ -1,0 +1,148 @@
+"""When the proposer drafts, and how its drafting shares the worker with vLLM's own forward.
+
+TargetGate. Draft steps run vLLM's own modules (draft_model.py): they must never overlap vLLM's forward (on
+the CPU both would call the same oneDNN handles, and they would split the cores anyway). The served model's
+forward is wrapped to enter the gate as "target"; every draft step enters as "draft". A waiting target goes
+first: a draft step starts only when no target forward runs or waits, so a pre-draft on its own thread
+delays a concurrent request's step by at most the one draft step in progress.
+
+DraftPacer. A draft is worth its cost only if it shortens the request. Per vLLM step of t_v seconds a
+request emits 1 token without drafts; with x drafts of t_d seconds each (drafted in propose, before the
+step) and per-draft acceptance a it emits E(x) = (1 - a^(x+1)) / (1 - a) tokens in x t_d + t_v(x) seconds,
+where t_v(x) = t_v + c x (each draft adds a row to the verify forward). Draft x* drafts, the best x, only
+if E(x*) / (x* t_d + t_v(x*)) > (1 + MARGIN) / t_v: otherwise propose nothing. t_d, t_v and c are measured
+as the server runs (EMAs), a per request from what vLLM accepted of the previous proposal. Drafts that cost
+nothing more (pre-drafts made while the KV loaded, n-gram matches) are always proposed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import statistics
+import threading
+import time
+
+from ...engine.planner import AcceptanceEstimate, expected_tokens
+
+MARGIN = 0.05  # drafting must promise this much more throughput than plain decoding
+ALPHA_PRIOR = 0.8  # per-draft acceptance before a request has been verified
+SAMPLES = 16  # step times kept per measurement (medians: a prefill or an idle gap is an outlier)
+BUSY_GAP_S = 0.1  # a target forward ended this recently: more are coming (vLLM is serving requests)
+
+
+class TargetGate:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._targets_waiting = 0
+        self._target_running = False
+        self._drafting = False
+        self._target_ended = float("-inf")
+
+    def target_busy(self) -> bool:
+        """vLLM is computing, or has just been and will again soon: a pre-draft should wait."""
+        with self._cond:
+            recent = time.perf_counter() - self._target_ended < BUSY_GAP_S
+            return self._target_running or self._targets_waiting > 0 or recent
+
+    @contextlib.contextmanager
+    def target(self):
+        with self._cond:
+            self._targets_waiting += 1
+            self._cond.wait_for(lambda: not self._drafting)
+            self._targets_waiting -= 1
+            self._target_running = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._target_running = False
+                self._target_ended = time.perf_counter()
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def draft(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._drafting or self._target_running or self._targets_waiting))
+            self._drafting = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._drafting = False
+                self._cond.notify_all()
+
+    def wrap(self, forward):
+        """forward, entering the gate as the target."""
+
+        def gated(*args, **kwargs):
+            with self.target():
+                return forward(*args, **kwargs)
+
+        return gated
+
+
+class DraftPacer:
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self._draft = collections.deque(maxlen=SAMPLES)  # one batched single-token draft step
+        self._plain = collections.deque(maxlen=SAMPLES)  # a vLLM step with no drafts to verify
+        self._per_draft = collections.deque(maxlen=SAMPLES)  # what one verified draft adds to a step
+        self._last_end: float | None = None
+        self._last_drafts = 0
+
+    @property
+    def draft_s(self) -> float | None:
+        return statistics.median(self._draft) if self._draft else None
+
+    @property
+    def step_s(self) -> float | None:
+        return statistics.median(self._plain) if self._plain else None
+
+    @property
+    def per_draft_s(self) -> float:
+        return max(0.0, statistics.median(self._per_draft)) if self._per_draft else 0.0
+
+    # ---- measurements ----
+    def propose_started(self, now: float | None = None) -> None:
+        """vLLM's step ran between the end of the previous propose and now."""
+        now = time.perf_counter() if now is None else now
+        if self._last_end is not None:
+            dt, x, t_v = now - self._last_end, self._last_drafts, self.step_s
+            if x == 0:
+                self._plain.append(dt)
+            elif t_v is not None:
+                self._per_draft.append((dt - t_v) / x)
+        self._last_end = None
+
+    def propose_ended(self, drafts_proposed: int, now: float | None = None) -> None:
+        self._last_end = time.perf_counter() if now is None else now
+        self._last_drafts = drafts_proposed
+
+    def drafted(self, seconds: float) -> None:
+        self._draft.append(seconds)
+
+    def describe(self) -> str:
+        f = [(n, v) for n, v in (("draft", self.draft_s), ("step", self.step_s)) if v is not None]
+        return ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in f) + f", +{self.per_draft_s * 1000:.1f} ms/draft"
+
+    # ---- the decision ----
+    def horizon(self, est: AcceptanceEstimate, room: int) -> int:
+        """Drafts worth drafting now for a request with acceptance estimate `est` (0: propose nothing).
+        Before vLLM's step is measured: none; before a draft step is: one (the measurement)."""
+        t_v, t_d = self.step_s, self.draft_s
+        if t_v is None or room < 1:
+            return 0
+        if t_d is None:
+            return 1
+        a, c = est.alpha, self.per_draft_s
+        best_x, best_rate = 0, 1.0 / t_v
+        for x in range(1, min(self.k_max, room) + 1):
+            rate = expected_tokens(a, x) / (x * t_d + t_v + c * x)
+            if rate > best_rate:
+                best_x, best_rate = x, rate
+        return best_x if best_x and best_rate > (1 + MARGIN) / t_v else 0
+
+
+def new_estimate() -> AcceptanceEstimate:
+    return AcceptanceEstimate(ALPHA_PRIOR)
