@@ -123,7 +123,7 @@ def predrafted(eng, compressed, prompt, drafts: int) -> P.CompressedKVProposer:
     while p.stats["predrafted"] < drafts and time.monotonic() < deadline:
         time.sleep(0.01)
     loaded.set()
-    while any(s.predrafting for s in p.seqs.values()):
+    while any(c.predrafting for g in p.groups.values() for c in g.chains):
         time.sleep(0.01)
     return p
 
@@ -133,10 +133,9 @@ def test_predrafts_are_proposed_as_made_up_to_k_per_step(setup):
     is (no draft step in propose), k per step, following the full-KV greedy output as vLLM accepts it."""
     eng, prompt, ref, compressed = setup
     p = predrafted(eng, compressed, prompt, 30)
-    made = p.stats["predrafted"]
-    assert made >= 30
-    (seq,) = p.seqs.values()
-    assert seq.tokens[:PROMPT_LEN] == prompt and len(seq.tokens) == PROMPT_LEN + made
+    (group,) = p.groups.values()
+    main = group.chains[0]
+    assert main.tokens[:PROMPT_LEN] == prompt and len(main.tokens) >= PROMPT_LEN + 30 // len(group.chains)
     row, accepted = prompt + ref[:1], []
     for _ in range(3):
         (drafts,) = p.propose(*step_args([row]))
@@ -221,3 +220,31 @@ def test_switched_off_the_proposer_proposes_nothing_and_ngram_matches_are_vllms(
     (drafts,) = p.propose(*step_args([loop]))
     want = vllm_ngram(np.array(loop, dtype=np.int32), 2, 4, 4096, K).tolist()
     assert want[:3] == [14, 15, 16] and drafts == want
+
+
+def test_a_rejected_draft_continues_on_the_branch_that_took_the_full_models_token(setup, monkeypatch):
+    """Where the draft model hesitated, the pre-draft branched on its second choice; when vLLM emits that
+    token instead of the first choice, the branch's drafts are proposed at once (no draft step)."""
+    eng, prompt, _, compressed = setup
+    monkeypatch.setattr(P, "BRANCH_P", 1e-3)  # the random model is sure of itself: make it branch
+    p = predrafted(eng, compressed, prompt, 40)
+    (group,) = p.groups.values()
+    assert p.stats["branches"] == len(group.chains) - 1 >= 1, p.stats
+    main, other = group.chains[0], group.chains[1]
+    j = next(i for i, (a, b) in enumerate(zip(main.tokens, other.tokens)) if a != b)
+    assert j >= PROMPT_LEN and len(other.tokens) > j + 1
+    row = other.tokens[: j + 1]  # vLLM rejected main's token at j and emitted the branch's
+    (drafts,) = p.propose(*step_args([row]))
+    assert drafts and drafts == other.tokens[j + 1 : j + 1 + len(drafts)] and p.stats["drafted"] == 0
+    assert group.chains == [other] or all(c.tokens[: j + 1] == row for c in group.chains)  # off-path chains dropped
+
+
+def test_the_compressed_copy_is_fetched_only_where_its_drafts_save_more_than_it_delays():
+    pacer = DraftPacer(k_max=32)
+    assert pacer.worth_predraft(None, 64) and pacer.worth_predraft(5.0, 64)  # nothing measured: fetch and learn
+    pacer._plain.extend([0.1] * 5)  # vLLM steps of 100 ms
+    for n in (5, 5, 5):
+        pacer.predraft_yield(n)  # vLLM accepted 5 pre-drafted tokens per request: 0.5 s saved
+    assert pacer.worth_predraft(0.3, 64)  # the copy delays the full copy by 0.3 s: fetch
+    assert not pacer.worth_predraft(1.0, 64)  # by 1 s: do not
+    assert not pacer.worth_predraft(0.3, 3)  # 2 tokens left to save at most: do not

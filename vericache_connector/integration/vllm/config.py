@@ -5,7 +5,10 @@
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"store": "redis://redis:6379/0", "compressor": "kivi4"}}'
 
-Every key may be left out; the store URL and the compressor then come from the environment
+"role" picks what the server is: "serve" (the default: loads the full copy, saves both copies; also the
+verifier beside the store) or "drafter" (draft_role.py: loads ONLY compressed copies, decoded into its
+own blocks, never the full copy, and saves nothing: what it generates are drafts, never answers, and it
+answers only `vericache router`). Every key may be left out; the store URL and the compressor then come from the environment
 (VERICACHE_STORE_URL, VERICACHE_COMPRESSOR: a Kubernetes Secret keeps credentials out of the pod's
 arguments), else the defaults below. The result is a RemoteCacheConfig, validated the same way as for
 the engine's own remote prefix cache. Errors never show a store password: URLs are shown redacted,
@@ -34,7 +37,9 @@ KEYS = {  # extra-config key -> (RemoteCacheConfig field, type)
     "mac_key_file": ("mac_key_file", str),
     "key_hashing": ("key_hashing", str),
     "cache_salt": ("cache_salt", str),
+    "role": (None, str),  # not a store setting: connector_role() reads it
 }
+ROLES = ("serve", "drafter")
 
 
 def load_connector_config(
@@ -45,24 +50,15 @@ def load_connector_config(
     Raises ValueError naming the bad key or value.
     """
     env = os.environ if env is None else env
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra) if extra.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_connector_extra_config is not JSON ({e})") from None
-    extra = dict(extra or {})
-    if not all(isinstance(k, str) for k in extra):
-        raise ValueError(f"kv_connector_extra_config keys must be strings, got {list(extra)!r}")
-    unknown = sorted(set(extra) - set(KEYS))
-    if unknown:
-        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(KEYS)}")
+    extra = _extra_dict(extra)
+    connector_role(extra)
     fields: dict[str, Any] = {"url": DEFAULT_STORE}
     for key, var in ENV.items():
         if env.get(var):
             fields[KEYS[key][0]] = env[var]
     for key, value in extra.items():
         name, kind = KEYS[key]
-        if value is None:
+        if value is None or name is None:
             continue
         if kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
@@ -76,6 +72,33 @@ def load_connector_config(
 
     get_compressor(cfg.compressor)  # ValueError naming an unknown compressor
     return cfg
+
+
+def connector_role(extra: Mapping[str, Any] | str | None) -> str:
+    """kv_connector_extra_config's "role": "serve" (default) or "drafter"; ValueError naming anything else."""
+    role = _extra_dict(extra).get("role")
+    if role is None:
+        return "serve"
+    if role not in ROLES:
+        raise ValueError(f"kv_connector_extra_config['role'] must be one of {list(ROLES)}, got {role!r}")
+    return role
+
+
+def _extra_dict(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra) if extra.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_connector_extra_config is not JSON ({e})") from None
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ValueError(f"kv_connector_extra_config must be a JSON object, got a {type(extra).__name__}")
+    extra = dict(extra or {})
+    if not all(isinstance(k, str) for k in extra):
+        raise ValueError(f"kv_connector_extra_config keys must be strings, got {list(extra)!r}")
+    unknown = sorted(set(extra) - set(KEYS))
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(KEYS)}")
+    return extra
 
 
 def load_kv_transfer_config(text: str, env: Mapping[str, str] | None = None) -> RemoteCacheConfig:

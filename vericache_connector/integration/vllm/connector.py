@@ -11,6 +11,8 @@ once per role and it forwards every call to the half for that role:
   worker.py     VeriCacheConnectorWorker: copies between vLLM's blocks and the store;
   handoff.py    DraftHandoff: compressed copies for the proposer (proposer.py), created here for the
                 worker role when the speculative config names our proposer.
+  draft_role.py the drafter role ("role": "drafter"): compressed copies only, never the full copy, no
+                saves; its output is drafts for `vericache router`, which alone may call it.
 Anything that goes wrong on a load is reported through get_block_ids_with_load_errors and vLLM
 recomputes those blocks: a store fault never fails a request, and never changes its output.
 """
@@ -29,7 +31,8 @@ from storage_backends import redact_url
 from ...compressors import get_compressor
 from ...model.loader import config_identity, model_identity
 from ...remote.store_client import StoreClient
-from .config import PROPOSER_CLASS, load_connector_config
+from . import draft_role
+from .config import PROPOSER_CLASS, connector_role, load_connector_config
 from .handoff import DraftHandoff
 from .metadata import VeriCacheMetadata
 from .scheduler import VeriCacheConnectorScheduler
@@ -80,6 +83,9 @@ class VeriCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.cfg = cfg = load_connector_config(tc.kv_connector_extra_config)
+        self.drafter_role = connector_role(tc.kv_connector_extra_config) == "drafter"
+        if self.drafter_role:
+            draft_role.check_server(cfg.compressor, runs_our_proposer(vllm_config))
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and role == KVConnectorRole.SCHEDULER:
             logger.warning(
                 "kv_load_failure_policy is %r: a store fault during a load fails the request; set "
@@ -102,11 +108,14 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self.connector_scheduler: VeriCacheConnectorScheduler | None = None
         self.connector_worker: VeriCacheConnectorWorker | None = None
         self.draft_handoff: DraftHandoff | None = None
+        scheduler_cls, worker_cls = VeriCacheConnectorScheduler, VeriCacheConnectorWorker
+        if self.drafter_role:
+            scheduler_cls, worker_cls = draft_role.DrafterScheduler, draft_role.DrafterWorker
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = VeriCacheConnectorScheduler(cfg, block_size, client)
+            self.connector_scheduler = scheduler_cls(cfg, block_size, client)
         else:
             self.draft_handoff = DraftHandoff() if runs_our_proposer(vllm_config) else None
-            self.connector_worker = VeriCacheConnectorWorker(
+            self.connector_worker = worker_cls(
                 cfg,
                 block_size,
                 mc.get_num_kv_heads(vllm_config.parallel_config),
@@ -116,11 +125,15 @@ class VeriCacheConnector(KVConnectorBase_V1):
             )
         self._client = client
         logger.info(
-            "VeriCacheConnector (%s): store %s, compressor %s, chunk %d",
+            "VeriCacheConnector (%s): store %s, compressor %s, chunk %d%s",
             role.name,
             redact_url(cfg.url),
             cfg.compressor,
             cfg.chunk_size,
+            "; DRAFTER role: loads compressed copies only (never the full copy), saves nothing; this server's "
+            "output is DRAFTS, never answers: only vericache router may call it"
+            if self.drafter_role
+            else "",
         )
 
     @property

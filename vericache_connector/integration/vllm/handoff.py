@@ -22,6 +22,8 @@ HANDOFF_CAPACITY = 32  # compressed prefixes kept for the proposer
 
 
 class Drafter(Protocol):
+    def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool: ...
+
     def predraft(
         self, prompt: list[int], prefix_len: int, compressed: CompressedKV, loaded: threading.Event | None
     ) -> None: ...

@@ -14,6 +14,7 @@ class LoadSpec:
     block_ids: list[int]  # the request's blocks, from token 0
     start: int  # tokens already computed locally (vLLM's prefix cache): load from here
     prompt: list[int]  # the whole prompt (for the proposer's pre-draft)
+    max_tokens: int | None = None  # the request's budget of new tokens (what a pre-draft can save at most)
 
 
 @dataclass

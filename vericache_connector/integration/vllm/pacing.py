@@ -12,7 +12,13 @@ step) and per-draft acceptance a it emits E(x) = (1 - a^(x+1)) / (1 - a) tokens 
 where t_v(x) = t_v + c x (each draft adds a row to the verify forward). Draft x* drafts, the best x, only
 if E(x*) / (x* t_d + t_v(x*)) > (1 + MARGIN) / t_v: otherwise propose nothing. t_d, t_v and c are measured
 as the server runs (EMAs), a per request from what vLLM accepted of the previous proposal. Drafts that cost
-nothing more (pre-drafts made while the KV loaded, n-gram matches) are always proposed.
+nothing more to make (pre-drafts made while the KV loaded, n-gram matches) still cost c each to verify:
+x* = argmax E(x) / (t_v + c x) of them are proposed (none when even one does not pay).
+
+The pre-draft itself has a price on a slow store link: the compressed copy crosses the link too, so the full
+copy lands later by the compressed copy's transfer time T_c. worth_predraft fetches it only where the drafts
+are expected to save more: (tokens vLLM accepted from pre-drafts per request, measured; at most the request's
+max_tokens - 1) x t_v > (1 + MARGIN) T_c.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ...engine.planner import AcceptanceEstimate, expected_tokens
 
 MARGIN = 0.05  # drafting must promise this much more throughput than plain decoding
 ALPHA_PRIOR = 0.8  # per-draft acceptance before a request has been verified
+YIELD_PRIOR = 8.0  # pre-drafted tokens vLLM accepts per request, before any was measured
 SAMPLES = 16  # step times kept per measurement (medians: a prefill or an idle gap is an outlier)
 BUSY_GAP_S = 0.1  # a target forward ended this recently: more are coming (vLLM is serving requests)
 
@@ -90,6 +97,7 @@ class DraftPacer:
         self._per_draft = collections.deque(maxlen=SAMPLES)  # what one verified draft adds to a step
         self._last_end: float | None = None
         self._last_drafts = 0
+        self._yields = collections.deque(maxlen=SAMPLES)  # pre-drafted tokens accepted, per request
 
     @property
     def draft_s(self) -> float | None:
@@ -122,14 +130,18 @@ class DraftPacer:
     def drafted(self, seconds: float) -> None:
         self._draft.append(seconds)
 
+    def predraft_yield(self, accepted: int) -> None:
+        """A request that had pre-drafts finished: vLLM accepted `accepted` of them."""
+        self._yields.append(accepted)
+
     def describe(self) -> str:
         f = [(n, v) for n, v in (("draft", self.draft_s), ("step", self.step_s)) if v is not None]
         return ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in f) + f", +{self.per_draft_s * 1000:.1f} ms/draft"
 
-    # ---- the decision ----
+    # ---- the decisions ----
     def horizon(self, est: AcceptanceEstimate, room: int) -> int:
-        """Drafts worth drafting now for a request with acceptance estimate `est` (0: propose nothing).
-        Before vLLM's step is measured: none; before a draft step is: one (the measurement)."""
+        """Compressed-KV drafts worth drafting now for a request with acceptance estimate `est` (0: propose
+        nothing). Before vLLM's step is measured: none; before a draft step is: one (the measurement)."""
         t_v, t_d = self.step_s, self.draft_s
         if t_v is None or room < 1:
             return 0
@@ -142,6 +154,30 @@ class DraftPacer:
             if rate > best_rate:
                 best_x, best_rate = x, rate
         return best_x if best_x and best_rate > (1 + MARGIN) / t_v else 0
+
+    def free_horizon(self, est: AcceptanceEstimate, room: int) -> int:
+        """How many of the drafts already made (pre-drafts, an n-gram match) to propose: each costs only its
+        row in the verify forward."""
+        t_v, c = self.step_s, self.per_draft_s
+        room = min(self.k_max, room)
+        if t_v is None or c <= 0:
+            return room
+        best_x, best_rate = 0, 1.0 / t_v
+        for x in range(1, room + 1):
+            rate = expected_tokens(est.alpha, x) / (t_v + c * x)
+            if rate > best_rate:
+                best_x, best_rate = x, rate
+        return best_x
+
+    def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
+        """Fetch the compressed copy for pre-drafts? compressed_s: its expected transfer time (None: unknown)."""
+        t_v = self.step_s
+        if compressed_s is None or t_v is None:
+            return True  # not measured yet: fetch, and learn what it costs and saves
+        tokens = statistics.median(self._yields) if self._yields else YIELD_PRIOR
+        if max_new is not None:
+            tokens = min(tokens, max_new - 1)
+        return tokens * t_v > (1 + MARGIN) * compressed_s
 
 
 def new_estimate() -> AcceptanceEstimate:

@@ -12,12 +12,15 @@ token for token; sampling: the target distribution). The proposer only decides w
    on the DraftHandoff while the full copy streams into vLLM's blocks. A pre-draft thread drafts the
    request's continuation on it (its suffix first, then token by token) until the full copy lands, in
    draft steps that never overlap vLLM's forward and yield to it (pacing.TargetGate): when vLLM is busy
-   with other requests the pre-draft waits. When the request's first token is sampled, the drafts made so
-   far are verified: up to num_speculative_tokens per vLLM step (vLLM's bound on drafts per request and
-   step), the rest in the following steps while vLLM keeps accepting them.
+   with other requests the pre-draft waits. Where the draft model hesitates the pre-draft branches
+   (chains.py), so that a rejected draft often leaves another line of drafts ready. When the request's
+   first token is sampled, the drafts made so far are verified: up to num_speculative_tokens per vLLM step
+   (vLLM's bound on drafts per request and step), the rest in the following steps while vLLM accepts them.
+   The compressed copy crosses the store link too (the full copy lands later by its transfer time): the
+   connector fetches it only where the pre-drafts are expected to save more (DraftPacer.worth_predraft).
 2. N-GRAM matches (vLLM's own prompt-lookup matcher): free to make, proposed wherever the prompt or the
-   output so far predicts a run, exactly as vLLM's `ngram` method would (a longer one merged with the
-   pre-drafts when they agree).
+   output so far predicts a run, as vLLM's `ngram` method would (a longer one merged with the pre-drafts when
+   they agree). Drafts already made are proposed as many as pay for their rows in the verify forward.
 3. COMPRESSED-KV drafts after that, batched across requests (draft_model.py: one forward for all), only
    while DraftPacer predicts they shorten the request from measured draft and vLLM step times and each
    request's acceptance; otherwise nothing, so the proposer is never slower than the connector alone by
@@ -34,7 +37,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,41 +44,19 @@ from vllm.logger import init_logger
 
 from ...compressors import CompressedKV
 from ...draft import DraftConfig, make_draft_cache
-from ...engine.planner import AcceptanceEstimate
-from ...model.kv_cache import RowCache
+from .chains import BRANCH_P, MAX_BRANCHES, Chain, Group, common
 from .draft_model import DraftModel, UnsupportedModel
 from .handoff import DraftHandoff, find_handoff
 from .pacing import DraftPacer, TargetGate, new_estimate
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
 
-MAX_SEQS = 64  # draft states kept (least recently used dropped)
+MAX_GROUPS = 64  # requests with draft state (least recently used dropped)
 MAX_DRAFT_BYTES = 1 << 30  # draft caches of all requests together
-PREDRAFT_MAX = 256  # a pre-draft stops here even if the full copy has not landed
+PREDRAFT_MAX = 256  # a chain's pre-draft stops here even if the full copy has not landed
 CACHE_ROOM = 512  # draft-cache entries past the prompt (pre-drafts and later drafts); then drafting stops
 NGRAM = (2, 4)  # prompt-lookup n-gram sizes (vLLM's ngram method: prompt_lookup_min / _max)
 LOG_EVERY = 200  # a stats line every this many proposals
-
-
-@dataclass
-class _Seq:
-    """One request's draft state. tokens = prompt + emitted + drafted; the cache holds the compressed prefix
-    (`kept` entries for prefix_len tokens) and the KV of tokens[prefix_len:in_cache]."""
-
-    prefix_len: int
-    prefix_hash: int
-    kept: int
-    cache: RowCache
-    capacity: int  # tokens the cache can hold past the prefix
-    nbytes: int
-    tokens: list[int]
-    in_cache: int
-    prompt_len: int = 0
-    loaded: threading.Event | None = None  # set when the full copy is in (pre-draft until then)
-    predrafting: bool = False
-    claimed: bool = False  # by a row of vLLM's batch; a claimed state missing from a step has finished
-    estimate: AcceptanceEstimate = field(default_factory=new_estimate)
-    proposed: tuple[int, list[int]] | None = None  # (row length, compressed drafts) of the last proposal
 
 
 class CompressedKVProposer:
@@ -93,13 +73,17 @@ class CompressedKVProposer:
         self.draft: DraftModel | None = None
         self.draft_cfg = DraftConfig()
         self.gate, self.pacer = TargetGate(), DraftPacer(self.k)
-        self.seqs: OrderedDict[int, _Seq] = OrderedDict()
+        self.groups: OrderedDict[int, Group] = OrderedDict()
+        self.ngram_est = new_estimate()  # acceptance of n-gram drafts, all requests
+        self._ngram_last: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
         self._next_id = 0
-        self._lock = threading.Lock()  # seqs and their tokens, shared with the pre-draft thread
+        self._lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.handoff: DraftHandoff | None = None
-        self.stats = dict(proposals=0, predrafts=0, predrafted=0, predrafts_used=0, ngram=0, drafted=0, paced_off=0)
+        self.stats = dict(
+            proposals=0, predrafts=0, predrafted=0, branches=0, predrafts_used=0, ngram=0, drafted=0, paced_off=0
+        )
 
     def _find_handoff(self) -> DraftHandoff | None:
         """The connector's DraftHandoff, looked up until found (the connector is built after us)."""
@@ -118,34 +102,39 @@ class CompressedKVProposer:
                 logger.warning("VeriCache proposer: no compressed-KV drafts for this model (%s); n-gram only", e)
             else:
                 target.forward = self.gate.wrap(target.forward)
-                mc = self.draft.cfg
-                per_token = mc.kv_bytes_per_token(2)  # paged float16 draft caches on the CPU
+                per_token = self.draft.cfg.kv_bytes_per_token(2)  # paged float16 draft caches on the CPU
                 logger.info(
                     "VeriCache proposer: drafts with the served model's own modules (no copy of its weights); "
                     "draft caches hold each drafting request's compressed prefix + %d tokens, %d bytes per "
-                    "entry, at most %d MiB in all (%d requests); k=%d, n-gram %d-%d",
+                    "entry, up to %d per request (pre-draft branches), at most %d MiB in all (%d requests); "
+                    "k=%d, n-gram %d-%d",
                     CACHE_ROOM,
                     per_token,
+                    MAX_BRANCHES,
                     MAX_DRAFT_BYTES >> 20,
-                    MAX_SEQS,
+                    MAX_GROUPS,
                     self.k,
                     *self.ngram,
                 )
         self._find_handoff()
 
-    # ---- pre-drafts (the connector's worker thread posts; our thread drafts) --------------------------
+    # ---- pre-drafts (the connector's worker asks, then posts; our thread drafts) ------------------------
+    def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
+        """The connector asks before it fetches a compressed copy for a pre-draft (pacing.worth_predraft)."""
+        return self.draft is not None and self.pacer.worth_predraft(compressed_s, max_new)
+
     def predraft(
         self, prompt: list[int], prefix_len: int, compressed: CompressedKV, loaded: threading.Event | None
     ) -> None:
         """Draft the prompt's continuation on its compressed copy until `loaded` is set."""
         if self.draft is None or (loaded is not None and loaded.is_set()):
             return  # the full copy is in already: vLLM's own steps come next, a pre-draft would only delay them
-        seq = self._new_seq(prompt, prefix_len, compressed)
-        if seq is None:
+        chain = self._new_group(prompt, prefix_len, compressed)
+        if chain is None:
             return
         with self._lock:
-            seq.tokens, seq.prompt_len, seq.loaded = list(prompt), len(prompt), loaded
-            seq.predrafting = True
+            chain.group.prompt_len, chain.group.loaded = len(prompt), loaded
+            chain.tokens, chain.predrafting = list(prompt), True
             self.stats["predrafts"] += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._predraft_loop, name="vericache-predraft", daemon=True)
@@ -166,43 +155,59 @@ class CompressedKVProposer:
                 with self.gate.draft():
                     jobs = self._predraft_jobs()
                     if jobs:
-                        self._step(jobs)
+                        self._step(jobs, branch=True)
             except Exception as e:  # noqa: BLE001 - drafts are optional; vLLM decodes without them
                 logger.warning("VeriCache pre-draft failed (%s: %s); no pre-drafts", type(e).__name__, e)
                 with self._lock:
-                    for s in jobs:
-                        s.predrafting = False
+                    for c in jobs:
+                        c.predrafting = False
 
-    def _predraft_jobs(self) -> list[_Seq]:
-        """Pre-drafts still to step: their full copy not in yet, below PREDRAFT_MAX, room left."""
+    def _predraft_jobs(self) -> list[Chain]:
+        """Chains still pre-drafting: their full copy not in yet, below PREDRAFT_MAX, room left."""
         with self._lock:
-            for s in self.seqs.values():
-                if s.predrafting and (
-                    (s.loaded is not None and s.loaded.is_set())
-                    or len(s.tokens) - s.prompt_len >= PREDRAFT_MAX
-                    or not self._room(s)
-                ):
-                    s.predrafting = False
+            for g in self.groups.values():
+                going = [c for c in g.chains if c.predrafting]
+                if not going:
+                    continue
+                if g.loaded is None or g.loaded.is_set():
+                    for c in going:
+                        c.predrafting = False
+                    made = [len(c.tokens) - g.prompt_len for c in g.chains]
                     logger.info(
-                        "VeriCache pre-draft: %d tokens drafted on the compressed copy of a %d-token prefix",
-                        len(s.tokens) - s.prompt_len,
-                        s.prefix_len,
+                        "VeriCache pre-draft: %d tokens drafted on the compressed copy of a %d-token prefix, in %d "
+                        "chains (%s)",
+                        sum(made),
+                        g.prefix_len,
+                        len(made),
+                        ", ".join(map(str, made)),
                     )
-            return [s for s in self.seqs.values() if s.predrafting]
+                for c in going:
+                    if len(c.tokens) - g.prompt_len >= PREDRAFT_MAX or not c.room:
+                        c.predrafting = False
+            return [c for g in self.groups.values() for c in g.chains if c.predrafting]
 
-    def _step(self, seqs: list[_Seq]) -> None:
-        """One batched draft step: each row feeds what its cache lacks and gets one greedy draft token."""
-        feeds = [s.tokens[s.in_cache :] for s in seqs]
+    def _step(self, chains: list[Chain], branch: bool = False) -> None:
+        """One batched draft step: each chain feeds what its cache lacks and gets one greedy draft token; a
+        pre-draft (branch=True) also branches where the second choice is likely enough."""
+        feeds = [c.tokens[c.in_cache :] for c in chains]
         t0 = time.perf_counter()
-        logits = self.draft.forward(feeds, [s.in_cache for s in seqs], [s.cache for s in seqs])
-        drafts = logits.argmax(-1).tolist()
+        logits = self.draft.forward(feeds, [c.in_cache for c in chains], [c.cache for c in chains])
+        top_p, top = torch.softmax(logits, -1).topk(2, dim=-1)
         if max(len(f) for f in feeds) == 1:  # a plain draft step (not a suffix or catch-up feed)
             self.pacer.drafted(time.perf_counter() - t0)
+        forks = []
         with self._lock:
-            for s, d in zip(seqs, drafts):
-                s.in_cache = len(s.tokens)
-                s.tokens.append(int(d))
-                self.stats["predrafted" if s.predrafting else "drafted"] += 1
+            for c, (t1, t2), (_, p2) in zip(chains, top.tolist(), top_p.tolist()):
+                c.in_cache = len(c.tokens)
+                c.tokens.append(int(t1))
+                self.stats["predrafted" if c.predrafting else "drafted"] += 1
+                if branch and c.predrafting and p2 >= BRANCH_P and len(c.group.chains) < MAX_BRANCHES:
+                    forks.append((c, int(t2)))
+        for c, t2 in forks:  # outside the lock: copying a cache takes a while
+            other = c.branch(t2)
+            with self._lock:
+                c.group.chains.append(other)
+                self.stats["branches"] += 1
 
     # ---- called by vLLM after every step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -210,81 +215,83 @@ class CompressedKVProposer:
         self.pacer.propose_started()
         self._find_handoff()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        claimed, to_draft = set(), []
+        present, to_draft = set(), []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             room = min(self.k, self.max_len - n - 1)
             if not len(sampled) or room < 1:
                 continue
-            row = np.asarray(token_ids_cpu[i, :n])
-            tokens = row.tolist()
-            seq = self._match(tokens, claimed)
-            gram = self._ngram(row, room)
-            if seq is not None:
-                claimed.add(id(seq))
-                seq.claimed = True
-                self._account(seq, tokens)
-                ahead = self._ahead(seq, tokens, room)
+            row_np = np.asarray(token_ids_cpu[i, :n])
+            row = row_np.tolist()
+            self._account_ngram(row)
+            group = self._match(row, present)
+            gram = self._ngram(row_np, room)
+            if group is not None:
+                present.add(id(group))
+                group.claimed = True
+                self._account(group, row)
+                chain, m = group.best(row)
+                with self._lock:
+                    chain.predrafting = False  # the request is running: its pre-drafts stop where they are
+                    ahead = chain.tokens[m : m + room] if m == len(row) else []
+                    group.prune(row, chain)
                 if ahead:
-                    out[i] = gram if len(gram) > len(ahead) and gram[: len(ahead)] == ahead else ahead
-                    seq.proposed = (len(tokens), list(out[i]))
+                    ahead = ahead[: max(1, self.pacer.free_horizon(group.estimate, len(ahead)))]
+                    longer = len(gram) > len(ahead) and gram[: len(ahead)] == ahead
+                    out[i] = gram if longer else ahead
+                    group.proposed = (len(row), list(out[i]), "predraft")
                     self.stats["predrafts_used"] += 1
                     continue
             if gram:
-                out[i] = gram
+                out[i] = gram[: max(1, self.pacer.free_horizon(self.ngram_est, len(gram)))]
+                self._ngram_last[_row_key(row)] = (len(row), list(out[i]))
                 self.stats["ngram"] += 1
                 continue
-            if seq is not None and self.draft is not None:
-                x = min(self.pacer.horizon(seq.estimate, room), seq.capacity - (len(tokens) - seq.prefix_len))
+            if group is not None and self.draft is not None:
+                chain = group.chains[0]
+                x = min(self.pacer.horizon(group.estimate, room), group.capacity - (len(row) - group.prefix_len))
                 if x > 0:
-                    to_draft.append((i, seq, tokens, x))
+                    to_draft.append((i, chain, row, x))
                 else:
                     self.stats["paced_off"] += 1
         if to_draft:
             self._draft_rows(to_draft, out)
-        with self._lock:  # a claimed state missing from this step has finished (or was preempted)
-            for key in [key for key, s in self.seqs.items() if s.claimed and id(s) not in claimed]:
-                del self.seqs[key]
+        self._finish_absent(present)
         self.stats["proposals"] += 1
         if self.stats["proposals"] % LOG_EVERY == 0:
             logger.info("VeriCache proposer: %s, %s", self.stats, self.pacer.describe())
         self.pacer.propose_ended(sum(len(o) for o in out))
         return out
 
-    def _account(self, seq: _Seq, tokens: list[int]) -> None:
+    def _account(self, group: Group, row: list[int]) -> None:
         """Acceptance of the compressed drafts proposed last step: how far the row followed them."""
-        if seq.proposed is None:
+        if group.proposed is None:
             return
-        at, drafts = seq.proposed
-        seq.proposed = None
-        n = 0
-        while n < len(drafts) and at + n < len(tokens) and tokens[at + n] == drafts[n]:
-            n += 1
-        if len(tokens) > at:  # the step ran: n of the drafts accepted
-            seq.estimate.update(n, len(drafts))
+        at, drafts, source = group.proposed
+        group.proposed = None
+        if len(row) > at:  # the step ran: n of the drafts accepted
+            n = common(drafts, row[at:], 0)
+            group.estimate.update(n, len(drafts))
+            if source == "predraft":
+                group.predraft_accepted += n
 
-    def _ahead(self, seq: _Seq, tokens: list[int], room: int) -> list[int]:
-        """Drafts already made past the row (a pre-draft, or earlier drafts still on the emitted path)."""
-        with self._lock:
-            seq.predrafting = False  # the request is running: its pre-draft stops where it is
-            m = _common(seq.tokens, tokens, seq.prefix_len)
-            if m == len(tokens) and len(seq.tokens) > m:
-                return seq.tokens[m : m + room]
-        return []
+    def _account_ngram(self, row: list[int]) -> None:
+        got = self._ngram_last.pop(_row_key(row), None)
+        if got is not None and len(row) > got[0]:
+            at, drafts = got
+            self.ngram_est.update(common(drafts, row[at:], 0), len(drafts))
 
-    def _draft_rows(self, rows: list[tuple[int, _Seq, list[int], int]], out: list[list[int]]) -> None:
+    def _draft_rows(self, rows: list[tuple[int, Chain, list[int], int]], out: list[list[int]]) -> None:
         """x_r compressed-KV drafts for each row, all rows in one forward per draft step."""
         with self.gate.draft():
             with self._lock:
-                for _, seq, tokens, _ in rows:  # roll the cache back to what the row still shares
-                    keep = min(_common(seq.tokens, tokens, seq.prefix_len), seq.in_cache, len(tokens) - 1)
-                    seq.cache.lengths[0] = seq.kept + keep - seq.prefix_len
-                    seq.tokens, seq.in_cache = list(tokens), keep
+                for _, chain, row, _ in rows:  # roll back to what the row still shares
+                    chain.rollback(row)
             for step in range(max(x for *_, x in rows)):
-                self._step([seq for _, seq, _, x in rows if step < x])
-        for i, seq, tokens, x in rows:
-            out[i] = seq.tokens[len(tokens) : len(tokens) + x]
-            seq.proposed = (len(tokens), list(out[i]))
+                self._step([chain for _, chain, _, x in rows if step < x])
+        for i, chain, row, x in rows:
+            out[i] = chain.tokens[len(row) : len(row) + x]
+            chain.group.proposed = (len(row), list(out[i]), "compressed")
 
     def _ngram(self, row: np.ndarray, room: int) -> list[int]:
         if _ngram_match is None:
@@ -293,25 +300,23 @@ class CompressedKVProposer:
         return [int(t) for t in got]
 
     # ---- draft states -----------------------------------------------------------------------------------
-    def _match(self, row: list[int], claimed: set[int]) -> _Seq | None:
-        best, best_m, hashes = None, -1, {}
+    def _match(self, row: list[int], present: set[int]) -> Group | None:
+        """The group of the request this row is (its stored prefix and chains), or a new one from a compressed
+        copy the connector posted."""
         with self._lock:
-            for seq in self.seqs.values():
-                if id(seq) in claimed or seq.prefix_len >= len(row):
-                    continue
-                h = hashes.setdefault(seq.prefix_len, hash(tuple(row[: seq.prefix_len])))
-                if h != seq.prefix_hash:
-                    continue
-                m = _common(seq.tokens, row, seq.prefix_len)
-                if m > best_m:
-                    best, best_m = seq, m
-        if best is not None:
-            return best
+            for g in self.groups.values():
+                if id(g) not in present and g.prefix_len < len(row):
+                    if hash(tuple(row[: g.prefix_len])) == g.prefix_hash:
+                        self.groups.move_to_end(next(k for k, v in self.groups.items() if v is g))
+                        return g
         handoff = self.handoff
         found = None if handoff is None or self.draft is None else handoff.find(row)
-        return None if found is None else self._new_seq(row, found[0], found[1])
+        if found is None:
+            return None
+        chain = self._new_group(row, found[0], found[1])
+        return None if chain is None else chain.group
 
-    def _new_seq(self, tokens: list[int], prefix_len: int, compressed: CompressedKV) -> _Seq | None:
+    def _new_group(self, tokens: list[int], prefix_len: int, compressed: CompressedKV) -> Chain | None:
         room = min(self.max_len - prefix_len, len(tokens) - prefix_len + CACHE_ROOM)
         try:
             cache = make_draft_cache(self.draft, [compressed], room, self.draft_cfg)
@@ -320,31 +325,34 @@ class CompressedKVProposer:
             return None
         kept = int(cache.lengths[0])
         nbytes = (kept + room) * self.draft.cfg.kv_bytes_per_token(2)
-        seq = _Seq(
-            prefix_len, hash(tuple(tokens[:prefix_len])), kept, cache, room, nbytes, tokens[:prefix_len], prefix_len
-        )
+        g = Group(prefix_len, hash(tuple(tokens[:prefix_len])), kept, room, nbytes, new_estimate())
+        chain = Chain(g, cache, list(tokens[:prefix_len]), prefix_len)
+        g.chains.append(chain)
         with self._lock:
-            self.seqs[self._next_id] = seq
+            self.groups[self._next_id] = g
             self._next_id += 1
-            while len(self.seqs) > MAX_SEQS or sum(s.nbytes for s in self.seqs.values()) > MAX_DRAFT_BYTES:
-                oldest = next(iter(self.seqs))
-                if self.seqs[oldest] is seq:
+            while len(self.groups) > MAX_GROUPS or sum(x.nbytes for x in self.groups.values()) > MAX_DRAFT_BYTES:
+                oldest = next(iter(self.groups))
+                if self.groups[oldest] is g:
                     break
-                del self.seqs[oldest]
-        return seq
+                self._drop(oldest)
+        return chain
 
-    @staticmethod
-    def _room(seq: _Seq) -> bool:
-        return len(seq.tokens) - seq.prefix_len < seq.capacity
+    def _finish_absent(self, present: set[int]) -> None:
+        """A claimed group missing from this step has finished (or was preempted): drop it."""
+        with self._lock:
+            for key in [k for k, g in self.groups.items() if g.claimed and id(g) not in present]:
+                self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        g = self.groups.pop(key)
+        if g.prompt_len:  # it had pre-drafts: what they saved is what the next fetch decision weighs
+            self.pacer.predraft_yield(g.predraft_accepted)
 
 
-def _common(a: list[int], b: list[int], start: int) -> int:
-    """Length of the common prefix of a and b, knowing the first `start` tokens agree."""
-    n = min(len(a), len(b))
-    i = start
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _row_key(row: list[int]) -> int:
+    """A request's key across steps (its first tokens do not change)."""
+    return hash(tuple(row[:64]))
 
 
 try:  # vLLM's own prompt-lookup matcher (the `ngram` method's), so our n-gram drafts are exactly its drafts

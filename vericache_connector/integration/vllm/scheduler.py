@@ -72,7 +72,12 @@ class VeriCacheConnectorScheduler:
         if num_external_tokens > 0 and rid in self._lookups:
             found = self._lookups.pop(rid)
             self._loads[rid] = LoadSpec(
-                rid, prompt[:found], list(blocks.get_block_ids()[0]), found - num_external_tokens, prompt
+                rid,
+                prompt[:found],
+                list(blocks.get_block_ids()[0]),
+                found - num_external_tokens,
+                prompt,
+                getattr(request, "max_tokens", None),
             )
             self._loaded[rid] = found
             return

@@ -49,6 +49,7 @@ class VeriCacheConnectorWorker:
         self._lock = threading.Lock()
         self._done_loading: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
@@ -160,6 +161,17 @@ class VeriCacheConnectorWorker:
         or broken copy only costs the drafts: vLLM decodes without them."""
         if self.handoff is None:
             return
+        n = len(spec.prefix)
+        drafter = self.handoff.drafter
+        expected_s = None if self._compressed_s_per_token is None else self._compressed_s_per_token * n
+        if drafter is not None and not drafter.worth_predraft(expected_s, spec.max_tokens):
+            logger.info(
+                "%s: compressed copy not fetched (~%.2fs on the link would delay the full copy by more than "
+                "pre-drafts save)",
+                spec.req_id,
+                expected_s,
+            )
+            return
         try:
             got = await asyncio.wait_for(
                 self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
@@ -168,6 +180,9 @@ class VeriCacheConnectorWorker:
                 comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
                 self.compressor.validate(comp, len(spec.prefix), len(self._views), self.num_kv_heads, self.head_dim)
                 when["compressed"] = time.perf_counter() - t0
+                per_token = when["compressed"] / n  # its transfer time (the next fetch decision weighs it)
+                old = self._compressed_s_per_token
+                self._compressed_s_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
                 await asyncio.to_thread(self.handoff.post, spec.prefix, comp, spec.prompt, loaded)
         except Exception as e:  # noqa: BLE001
             logger.warning(
