@@ -41,7 +41,7 @@ def serve(tiny, **cfg):
     eng, prompts, refs, demand, store = tiny
     frac = cfg.pop("budget", 0.5)
     cfg = ServingConfig(
-        budget_bytes=None if frac is None else int(frac * demand), compressor="snapkv-4x", k_max=16, **cfg
+        budget_bytes=None if frac is None else int(frac * demand), **{"compressor": "snapkv-4x", "k_max": 16, **cfg}
     )
     engine = ServingEngine(eng.model, cfg, store)
     rep = engine.run(trace(prompts))
@@ -198,3 +198,57 @@ def test_every_field_is_checked_before_anything_is_allocated(tiny, monkeypatch):
         ServingConfig(budget_bytes=float("nan"))
     with pytest.raises(ValueError, match="link_bytes_per_s must be a finite number > 0 or None, got inf"):
         ServingConfig(link_bytes_per_s=float("inf"))
+
+
+@pytest.mark.parametrize("spec", ["kivi2"])
+def test_packed_draft_pool_rows_match_their_full_kv_output(tiny, spec):
+    """(issue 27, item 1) A quantizer's prompt stays packed (codes + scales in the packed pool, KIVI's residual and
+    the emitted tokens in the draft pool), attended without decoding: every row exact, within the budget."""
+    rep, outs, refs = serve(tiny, policy="vericache", compressor=spec, link_bytes_per_s=4e6, budget=0.2)
+    assert outs == refs and rep.reload_failures == 0
+    assert rep.peak_resident_bytes <= rep.budget_bytes and rep.mean_accepted > 1.0
+
+
+def test_the_budget_counts_packed_bytes(tiny):
+    """(issue 27, item 1) A packed prompt costs its codes and scales: kivi4 at 4 bits + float16 scales per
+    32-token key group / 16-channel value group, KIVI's float16 residual beside it; decoded, the same prompt
+    costs float16 for every token, so a budget the packed row fits can refuse the decoded one."""
+    import vericache_kernels.paged_packed as PP
+    from vericache_connector.engine.block_manager import BlockManager
+    from vericache_connector.engine.scheduler import Scheduler
+    from vericache_connector.engine.sequence import Sequence
+
+    eng, prompts, *_ = tiny
+    mc = eng.model.cfg
+    seq = Sequence(Request("r", prompts[-1], 8))  # 1200 tokens: 1056 packed, 144 residual
+    costs = {}
+    for layout in ("packed", "decoded"):
+        cfg = ServingConfig(policy="vericache", compressor="kivi4", draft_layout=layout, k_max=16)
+        engine = ServingEngine(eng.model, cfg)
+        pools = engine._pools([seq])
+        blocks = BlockManager(pools, None)
+        sched = Scheduler(cfg, blocks, mc.kv_bytes_per_token(4), mc.max_position, engine.draft_lens)
+        costs[layout] = blocks.cost(sched.resident_blocks(seq))
+        if layout == "packed":
+            fmt = PP.PackedFormat("kivi", 4, 4, 32, 16)
+            assert engine.packed == fmt and engine.draft_lens(seq) == (1056, 144)
+            # per token and layer: K, V codes at 4 bits + K scale/min per 32 tokens + V scale/min per 16 channels
+            per_token = mc.num_kv_heads * (mc.head_dim + 2 * 2 * mc.head_dim / 32 + 2 * 2 * mc.head_dim / 16)
+            assert pools["packed"].block_bytes == mc.num_layers * 128 * per_token
+            assert sched.resident_blocks(seq) == {"packed": 9, "draft": 2, "full": 1}
+        else:
+            assert engine.packed is None and sched.resident_blocks(seq) == {"draft": 10, "full": 1}
+    f16, f32 = (mc.kv_bytes_per_token(n) * 128 for n in (2, 4))  # a draft-pool / full-pool block
+    packed_block = mc.num_layers * 128 * per_token
+    assert costs == {"packed": 9 * packed_block + 2 * f16 + f32, "decoded": 10 * f16 + f32}
+    assert packed_block < 0.35 * f16  # 4-bit codes and their scales against float16
+    budget = int(costs["packed"] * 1.02 + 3 * 2**16)
+    with pytest.raises(ValueError, match="more than the whole budget"):
+        ServingEngine(
+            eng.model,
+            ServingConfig(policy="vericache", compressor="kivi4", draft_layout="decoded", budget_bytes=budget),
+        ).run([Request("r", prompts[-1], 8)])
+    with pytest.raises(ValueError, match="has no packed form"):
+        ServingEngine(eng.model, ServingConfig(compressor="snapkv-4x", draft_layout="packed"))
+    with pytest.raises(ValueError, match="draft_layout must be one of"):
+        ServingConfig(draft_layout="zip")

@@ -17,6 +17,7 @@ import math
 import torch
 
 import vericache_kernels.paged as PA
+import vericache_kernels.paged_packed as PP
 
 Tensor = torch.Tensor
 
@@ -86,6 +87,36 @@ class KVPool:
         ids = torch.as_tensor(dst, dtype=torch.long, device=kc.device)
         kc.index_copy_(0, ids, src_k.to(kc.device, non_blocking=True))
         vc.index_copy_(0, ids, src_v.to(vc.device, non_blocking=True))
+
+
+class PackedPool:
+    """Blocks of packed KV (vericache_kernels.paged_packed's layout: a quantizer's codes and scales as it made
+    them, one dict of tensors per layer): the prompt part of a quantized draft cache, never decoded in memory.
+    Same block interface as KVPool for the BlockManager; block_bytes counts the packed bytes."""
+
+    def __init__(
+        self,
+        name: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        fmt: PP.PackedFormat,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+    ):
+        if num_blocks < 1:
+            raise ValueError(f"pool {name!r}: num_blocks must be >= 1, got {num_blocks}")
+        self.name, self.fmt, self.block_size, self.num_layers = name, fmt, block_size, num_layers
+        self.caches = [
+            PP.new_packed_cache(fmt, num_blocks, num_kv_heads, head_dim, block_size, device) for _ in range(num_layers)
+        ]
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.block_bytes = num_layers * fmt.block_bytes(num_kv_heads, head_dim, block_size)
+
+    def write_blocks(self, layer: int, block_ids: list[int], blocks: dict[str, Tensor]) -> None:
+        """Whole blocks (vericache_kernels.paged_packed.to_blocks) into block_ids."""
+        PP.packed_write(self.caches[layer], block_ids, blocks)
 
 
 class BlockManager:

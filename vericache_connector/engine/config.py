@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..model.sampling import DecodeSettings
 
 POLICIES = ("full", "lossy", "vericache")
+DRAFT_LAYOUTS = ("auto", "packed", "decoded")
 
 
 @dataclass(kw_only=True)
@@ -19,7 +20,11 @@ class ServingConfig(DecodeSettings):
     policy: str = "vericache"
     budget_bytes: int | None = None  # device KV budget (None: unlimited)
     compressor: str = "snapkv-4x"  # the compressed KV (lossy, vericache)
-    draft_dtype: str = "float16"  # the draft pool's storage
+    draft_dtype: str = "float16"  # the draft pool's storage (decoded prompts, KIVI's residual, emitted tokens)
+    # where a quantizer's prompt lives: "packed" (its codes and scales in a packed pool, attended without
+    # decoding; the budget counts packed bytes), "decoded" (decoded into the draft pool), "auto" (packed for
+    # the formats vericache_kernels.paged_packed reads: KIVI 2/4/8-bit, int8, fp8; decoded otherwise)
+    draft_layout: str = "auto"
     link_bytes_per_s: float | None = None  # host link (None: as fast as memory copies go)
     block_size: int = 128
     max_rows: int = 64
@@ -38,6 +43,8 @@ class ServingConfig(DecodeSettings):
         super().__post_init__()
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.draft_layout not in DRAFT_LAYOUTS:
+            raise ValueError(f"draft_layout must be one of {DRAFT_LAYOUTS}, got {self.draft_layout!r}")
         if self.budget_bytes is not None and not (_is_int(self.budget_bytes) and self.budget_bytes > 0):
             raise ValueError(f"budget_bytes must be a positive integer or None, got {self.budget_bytes!r}")
         for name in ("block_size", "max_rows", "lookahead"):

@@ -6,7 +6,8 @@ verifying rows' [pending, d_1..d_k] over their full KV in the full pool (reloade
 blocks + resident tail and emitted tokens), full-KV / lossy rows over their own pool. The linear layers,
 which read every weight once per forward, are shared by all of them; only attention is per pool:
 StepCache writes each segment's new entries into its pool and calls the paged attention kernel once per
-pool and layer. A verifying row's layer l waits for that layer of its reload (Reload.wait_layer): the
+pool and layer (rows whose quantized prompt sits in the packed pool: packed_paged_attention over the packed
+prompt and their draft-pool entries in one pass). A verifying row's layer l waits for that layer of its reload (Reload.wait_layer): the
 verify forward starts while later layers are still on the link.
 """
 
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 import vericache_kernels.paged as PA
+import vericache_kernels.paged_packed as PP
 
 from ..model.kv_cache import RowCache
-from .block_manager import KVPool
+from .block_manager import KVPool, PackedPool
 from .host_tier import HostEntry, Reload
 from .sequence import Sequence
 
@@ -41,6 +43,8 @@ class Segment:
     start: int
     kind: str  # draft | verify | decode
     reload: Reload | None = None
+    packed: list[int] | None = None  # blocks of the packed pool holding the row's quantized prompt
+    packed_len: int = 0  # its entries (all visible, before the view's)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Prefilled:
     first: int
     draft_len: int = 0  # entries of the compressed prompt in the draft pool
     host: HostEntry | None = None  # VeriCache: the prompt's whole blocks in the host tier
+    packed_len: int = 0  # entries of the compressed prompt in the packed pool
 
 
 @dataclass
@@ -85,6 +90,9 @@ class _PoolBatch:
     block_table: Tensor
     reloads: list[Reload] = field(default_factory=list)
     plan: Tensor | None = None
+    packed: PackedPool | None = None  # the rows' prompts are packed there (packed_paged_attention)
+    prefix_lens: Tensor | None = None
+    prefix_table: Tensor | None = None
 
 
 class StepCache(RowCache):
@@ -104,11 +112,17 @@ class StepCache(RowCache):
             lens = torch.tensor([s.start + len(s.tokens) for s in segs], dtype=torch.int32, device=dev)
             width = max(len(s.view) for s in segs)
             table = torch.tensor([s.view + [0] * (width - len(s.view)) for s in segs], dtype=torch.int32, device=dev)
-            self.batches.append(
-                _PoolBatch(
-                    pool, lo, lo + sum(n), slots, qsl, lens, table, [s.reload for s in segs if s.reload is not None]
-                )
+            batch = _PoolBatch(
+                pool, lo, lo + sum(n), slots, qsl, lens, table, [s.reload for s in segs if s.reload is not None]
             )
+            if any(s.packed is not None for s in segs):
+                pw = max(1, max(len(s.packed or []) for s in segs))
+                batch.packed = pools["packed"]
+                batch.prefix_lens = torch.tensor([s.packed_len for s in segs], dtype=torch.int32, device=dev)
+                batch.prefix_table = torch.tensor(
+                    [(s.packed or []) + [0] * (pw - len(s.packed or [])) for s in segs], dtype=torch.int32, device=dev
+                )
+            self.batches.append(batch)
             lo += sum(n)
         self.order = [s for name in sorted({s.pool for s in segments}) for s in segments if s.pool == name]
 
@@ -123,25 +137,33 @@ class StepCache(RowCache):
             for r in b.reloads:
                 self.wait_s += r.wait_layer(layer)
             b.pool.write(layer, b.slots, kf[b.lo : b.hi], vf[b.lo : b.hi])
-            kc, vc = b.pool.caches[layer]
-            qb = qf[b.lo : b.hi].to(b.pool.dtype)
-            if b.plan is None and PA.uses_vllm_kernel(self.backend, b.pool.kv_dtype, qb, kc):
-                b.plan = PA.paged_attention_plan(qb, kc.shape[1], b.query_start_loc, b.seq_lens, b.pool.kv_dtype)
-            o = PA.paged_attention(
-                qb,
-                kc,
-                vc,
-                b.query_start_loc,
-                b.seq_lens,
-                b.block_table,
-                b.pool.kv_dtype,
-                plan=b.plan,
-                backend=self.backend,
-            )
-            out[b.lo : b.hi] = o.to(q.dtype)
+            out[b.lo : b.hi] = self._attend_pool(b, layer, qf[b.lo : b.hi]).to(q.dtype)
             for r in b.reloads:
                 r.consume(layer)
         return out.transpose(0, 1)[None]
+
+    def _attend_pool(self, b: _PoolBatch, layer: int, q: Tensor) -> Tensor:
+        kc, vc = b.pool.caches[layer]
+        if b.packed is not None:  # the packed prompt + this pool's entries in one pass (codes never decoded)
+            return PP.packed_paged_attention(
+                q,
+                b.query_start_loc,
+                b.packed.fmt,
+                b.packed.caches[layer],
+                b.prefix_lens,
+                b.prefix_table,
+                kc,
+                vc,
+                b.seq_lens,
+                b.block_table,
+                backend=self.backend,
+            )
+        qb = q.to(b.pool.dtype)
+        if b.plan is None and PA.uses_vllm_kernel(self.backend, b.pool.kv_dtype, qb, kc):
+            b.plan = PA.paged_attention_plan(qb, kc.shape[1], b.query_start_loc, b.seq_lens, b.pool.kv_dtype)
+        return PA.paged_attention(
+            qb, kc, vc, b.query_start_loc, b.seq_lens, b.block_table, b.pool.kv_dtype, plan=b.plan, backend=self.backend
+        )
 
     def advance(self, q: int) -> None:
         return  # the scheduler keeps each sequence's lengths

@@ -39,13 +39,13 @@ class Scheduler:
         blocks: BlockManager,
         full_bytes_per_token: int,
         max_context: int,
-        compressed_len=lambda seq: seq.prompt_len,
+        draft_lens=lambda seq: (0, seq.prompt_len),
         eos: tuple[int, ...] = (),
         link: Link | None = None,
     ):
         self.cfg, self.blocks, self.link = cfg, blocks, link
         self.full_bytes_per_token, self.max_context = full_bytes_per_token, max_context
-        self.compressed_len, self.eos = compressed_len, eos
+        self.draft_lens, self.eos = draft_lens, eos  # seq -> (packed prompt entries, draft-pool prompt entries)
         self.num_layers = next(iter(blocks.pools.values())).num_layers
         self.arrivals: collections.deque[Sequence] = collections.deque()  # not arrived yet (by arrival time)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -66,16 +66,20 @@ class Scheduler:
         return self.cfg.policy == "vericache"
 
     # ---- sizes ----
-    def resident_blocks(self, seq: Sequence, compressed_len: int) -> dict[str, int]:
-        """Blocks a sequence holds for its whole life (what its admission must fit)."""
+    def resident_blocks(self, seq: Sequence) -> dict[str, int]:
+        """Blocks a sequence holds for its whole life (what its admission must fit): a quantized prompt's packed
+        blocks, the draft pool's (the compressed prompt or its float part, emitted tokens, a round's drafts), and
+        for VeriCache the full pool's (the prompt's last partial block and the emitted tokens)."""
         bs, new = self.cfg.block_size, seq.request.max_new_tokens
         room = new + self.cfg.k_max + 2  # emitted tokens + one round's drafts + the bonus
         if self.cfg.policy == "full":
             return {"full": math.ceil((seq.prompt_len + new + 1) / bs)}
+        packed, dense = self.draft_lens(seq)
+        out = {"packed": math.ceil(packed / bs)} if packed else {}
         if self.cfg.policy == "lossy":
-            return {"draft": math.ceil((compressed_len + new + 1) / bs)}
+            return {**out, "draft": math.ceil((dense + new + 1) / bs)}
         tail = seq.prompt_len % bs  # the prompt's last partial block stays resident
-        return {"draft": math.ceil((compressed_len + room) / bs), "full": math.ceil((tail + room) / bs)}
+        return {**out, "draft": math.ceil((dense + room) / bs), "full": math.ceil((tail + room) / bs)}
 
     def staging_blocks(self, seq: Sequence) -> int:
         return seq.prompt_len // self.cfg.block_size
@@ -106,7 +110,7 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence) -> None:
         """ValueError for a request that could never be admitted: more device KV than the whole budget."""
-        need = self.blocks.cost(self.resident_blocks(seq, self.compressed_len(seq))) + self.transient_bytes(seq)
+        need = self.blocks.cost(self.resident_blocks(seq)) + self.transient_bytes(seq)
         if self.blocks.budget is not None and need > self.blocks.budget:
             raise ValueError(
                 f"request {seq.request_id!r} needs {need} bytes of device KV under policy "
@@ -119,7 +123,7 @@ class Scheduler:
         planned and (VeriCache) their reloads fit."""
         while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_rows:
             seq = self.waiting[0]
-            need = self.resident_blocks(seq, self.compressed_len(seq))
+            need = self.resident_blocks(seq)
             extra = self.blocks.cost(need) + self.transient_bytes(seq)
             if self.vericache:  # and still room for any row's smallest staging ring, beyond what is planned
                 extra = (
@@ -208,7 +212,8 @@ class Scheduler:
             if self.cfg.policy == "full":
                 out.append(Segment(seq, "full", [seq.pending], [pos], seq.blocks["full"], seq.full_len, "decode"))
             elif self.cfg.policy == "lossy":
-                out.append(Segment(seq, "draft", [seq.pending], [pos], seq.blocks["draft"], seq.draft_len, "decode"))
+                seg = Segment(seq, "draft", [seq.pending], [pos], seq.blocks["draft"], seq.draft_len, "decode")
+                out.append(self._with_packed(seg))
             elif self._verify_ok(seq, head, streaming):
                 seq.phase = Phase.VERIFYING
                 toks = [seq.pending] + seq.drafts
@@ -220,10 +225,18 @@ class Scheduler:
                 )
             elif len(seq.drafts) < self.draft_cap(seq):
                 last = seq.drafts[-1] if seq.drafts else seq.pending
-                out.append(
-                    Segment(seq, "draft", [last], [pos + len(seq.drafts)], seq.blocks["draft"], seq.draft_len, "draft")
+                seg = Segment(
+                    seq, "draft", [last], [pos + len(seq.drafts)], seq.blocks["draft"], seq.draft_len, "draft"
                 )
+                out.append(self._with_packed(seg))
         return out
+
+    @staticmethod
+    def _with_packed(seg: Segment) -> Segment:
+        """A draft-pool segment also attends over the row's packed prompt, if it has one."""
+        if "packed" in seg.seq.blocks:
+            seg.packed, seg.packed_len = seg.seq.blocks["packed"], seg.seq.packed_len
+        return seg
 
     def _verify_ok(self, seq: Sequence, head: list, streaming: list) -> bool:
         r = seq.reload
@@ -300,7 +313,7 @@ class Scheduler:
 
     def _prefilled(self, seq: Sequence, r: Prefilled, now: float) -> tuple[Sequence, int]:
         self.blocks.release(self.prefill_bytes(seq))
-        seq.full_len, seq.draft_len, seq.pending = seq.prompt_len, r.draft_len, r.first
+        seq.full_len, seq.draft_len, seq.packed_len, seq.pending = seq.prompt_len, r.draft_len, r.packed_len, r.first
         if r.host is not None:
             seq.host, seq.stored_prompt = r.host, r.host.tokens
         self.step += 1

@@ -13,7 +13,9 @@ A Sequence moves through phases; a VeriCache row cycles DRAFTING -> (RELOADING) 
 
 Token bookkeeping (VeriCache, as in speculative.py): `pending` is the newest emitted token, whose KV is
 in no cache yet; the full KV holds prompt + emitted-but-pending (its length is also pending's position);
-the draft cache holds the compressed prompt + the same emitted tokens (exact KV) + this round's drafts.
+the draft cache holds the compressed prompt + the same emitted tokens (exact KV) + this round's drafts. A
+quantized prompt is split: its codes in the packed pool (packed_len entries), the rest (KIVI's full-precision
+residual) at the start of the draft pool's view, so draft_len counts the draft pool's entries only.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     pending: int = -1  # newest emitted token (its KV is in no cache yet)
     full_len: int = 0  # entries of the full KV (prompt + emitted tokens but pending)
-    draft_len: int = 0  # entries of the draft cache (compressed prompt + emitted + drafts)
+    draft_len: int = 0  # entries of the draft pool's view (compressed prompt or its float part + emitted + drafts)
+    packed_len: int = 0  # entries of the compressed prompt held packed (the packed pool; quantizers)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q_i per draft (temperature > 0)
     horizon: int = 0  # drafts wanted before this round's verification

@@ -16,12 +16,16 @@ happens: a VeriCache row drafts one token per step (a "draft" segment) until its
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
+import vericache_kernels.paged_packed as PP
+from vericache_kernels.kivi import kivi_split
+
 from ..compressors import PrefixKV, get_compressor
 from ..model.sampling import sample, verify
-from .block_manager import BlockManager, KVPool
+from .block_manager import BlockManager, KVPool, PackedPool
 from .config import ServingConfig
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
 from .model_runner import Batch, ModelRunner, Prefilled, Sampled, Segment
@@ -45,6 +49,31 @@ class ServingEngine:
         self.compressor = get_compressor(cfg.compressor) if cfg.policy != "full" else None
         if self.compressor is not None and self.compressor.needs_queries and not cfg.obs_window:
             raise ValueError(f"compressor {cfg.compressor!r} needs observation queries: obs_window must be > 0")
+        self.packed = self._packed_format()
+
+    def _packed_format(self) -> PP.PackedFormat | None:
+        """The packed pool's format for this compressor (draft_layout "auto" / "packed"), or None (decoded)."""
+        c, layout = self.compressor, self.cfg.draft_layout
+        if c is None or layout == "decoded":
+            return None
+        meta = {"compressor": c.name, **{k: getattr(c, k, None) for k in ("bits", "group", "value_group")}}
+        fmt = PP.PackedFormat.from_meta(meta)
+        if fmt is None:
+            if layout == "packed":
+                raise ValueError(
+                    f"draft_layout 'packed' holds KIVI (2/4/8 bits), int8 or fp8 codes; compressor "
+                    f"{self.cfg.compressor!r} has no packed form (use 'auto' or 'decoded')"
+                )
+            return None
+        mc = self.model.cfg
+        try:
+            fmt.check(mc.num_kv_heads, mc.head_dim, self.cfg.block_size)
+        except ValueError as e:
+            if layout == "packed":
+                raise
+            warnings.warn(f"{self.cfg.compressor}: {e}; its prompt is decoded into the draft pool", stacklevel=3)
+            return None
+        return fmt
 
     @staticmethod
     @torch.inference_mode()
@@ -61,9 +90,19 @@ class ServingEngine:
             store[(tuple(p), 0)] = (logits, [(k, v, None) for k, v, _ in layers])
         return store
 
-    def compressed_len(self, seq: Sequence) -> int:
+    def draft_lens(self, seq: Sequence) -> tuple[int, int]:
+        """(entries of the compressed prompt in the packed pool, in the draft pool): a quantizer's codes packed
+        (KIVI's full-precision residual in the draft pool), token dropping's kept entries in the draft pool."""
+        t = seq.prompt_len
+        if self.packed is not None:
+            c = self.compressor
+            n = kivi_split(t, c.group, c.residual) if self.packed.kind == "kivi" else t
+            return n, t - n
         keep = getattr(self.compressor, "keep_count", None)
-        return keep(seq.prompt_len) if keep is not None else seq.prompt_len
+        return 0, keep(t) if keep is not None else t
+
+    def compressed_len(self, seq: Sequence) -> int:
+        return sum(self.draft_lens(seq))
 
     def check(self, trace: list[Request]) -> None:
         """ValueError naming the request and the value, before anything is allocated for the trace."""
@@ -95,6 +134,12 @@ class ServingEngine:
         dtypes = {"full": self.full_dtype, "draft": self.cfg.draft_dtype}
         names = {"full": ["full"], "lossy": ["draft"], "vericache": ["draft", "full"]}[self.cfg.policy]
         pools = {}
+        if self.packed is not None:  # the quantized prompts' codes: as many blocks as the budget pays for
+            per_block = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs)
+            blocks = cap // per_block + len(seqs) + 2
+            pools["packed"] = PackedPool(
+                "packed", mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, self.packed, blocks, dev
+            )
         for name in names:
             per_block = mc.kv_bytes_per_token(getattr(torch, dtypes[name]).itemsize) * bs
             blocks = cap // per_block + len(seqs) + 2
@@ -122,7 +167,7 @@ class ServingEngine:
             blocks,
             self.full_bytes_per_token,
             self.model.cfg.max_position,
-            self.compressed_len,
+            self.draft_lens,
             self.model.cfg.eos_token_ids,
             self.link,
         )
@@ -171,19 +216,26 @@ class ServingEngine:
         stored = seq.prompt_len // bs * bs
         host = HostEntry([], [], stored) if policy == "vericache" else None
         pin = self.model.device.type == "cuda"
-        draft_len = 0
+        draft_len = packed_len = 0
 
         def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor, obs: torch.Tensor | None) -> None:
-            nonlocal draft_len
+            nonlocal draft_len, packed_len
             if policy == "full":
                 full = pools["full"]
                 full.write(layer, full.slots(seq.blocks["full"], 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
                 return
             comp = self.compressor.compress(PrefixKV([k], [v], None if obs is None else [obs]))
-            ck, cv = comp.layer_kv(0, torch.float32)
             draft = pools["draft"]
-            draft.write(layer, draft.slots(seq.blocks["draft"], 0, ck.shape[1]), ck.transpose(0, 1), cv.transpose(0, 1))
-            draft_len = ck.shape[1]
+            if self.packed is not None:  # the codes into packed blocks, KIVI's residual into the draft pool
+                packed_len, t = self._write_packed(seq, layer, comp)
+                ck, cv = t.get("k_tail"), t.get("v_tail")
+            else:
+                ck, cv = comp.layer_kv(0, torch.float32)
+            draft_len = 0 if ck is None else ck.shape[1]
+            if draft_len:
+                draft.write(
+                    layer, draft.slots(seq.blocks["draft"], 0, draft_len), ck.transpose(0, 1), cv.transpose(0, 1)
+                )
             if host is not None:
                 kb, vb = to_host_blocks(k, v, stored, bs, self.model.dtype, pin)
                 host.keys.append(kb)
@@ -195,7 +247,18 @@ class ServingEngine:
         obs = self.cfg.obs_window if self.compressor is not None and self.compressor.needs_queries else 0
         logits = self.runner.prefill(seq.request.prompt_ids, obs, on_layer, self.prefill_store)
         first, _ = sample(logits[None], self.cfg.temperature, seq.generator)
-        return Prefilled(int(first[0]), draft_len, host)
+        return Prefilled(int(first[0]), draft_len, host, packed_len)
+
+    def _write_packed(self, seq: Sequence, layer: int, comp) -> tuple[int, dict]:
+        """One layer of a quantized prompt into the row's packed blocks. -> (entries written, the layer's tensors)."""
+        t = comp.layers[0]
+        n = comp.meta.get("quantized_tokens", comp.meta["num_tokens"])
+        if n:
+            codes = {name: x for name, x in t.items() if not name.endswith("_tail")}
+            pool = self.pools["packed"]
+            blocks = PP.to_blocks(self.packed, codes, n, self.cfg.block_size)
+            pool.write_blocks(layer, seq.blocks["packed"][: blocks["k"].shape[0]], blocks)
+        return n, t
 
     # ---- run: one packed forward ----
     def _packed_step(self, batch: Batch) -> tuple[dict[int, Sampled], float] | None:
