@@ -97,6 +97,7 @@ def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
     out["loads_s"] = [float(x) for x in re.findall(r"hit \S+: \d+ tokens loaded .*?full after ([\d.]+)s", log)]
     out["spec"] = [ln.split("SpecDecoding metrics: ")[1] for ln in log.splitlines() if "SpecDecoding metrics" in ln]
     out["predrafts"] = [int(x) for x in re.findall(r"VeriCache pre-draft: (\d+) tokens", log)]
+    out["predrafts_accepted"] = [int(x) for x in re.findall(r"vLLM accepted (\d+) pre-drafted tokens", log)]
     return out
 
 
@@ -174,6 +175,9 @@ def summarize(args, prompts, plain, runs, settings, load) -> dict:
                     "requests": len(names),
                     "accepted_drafted": spec_totals(r["spec"]) if label != "plain vLLM" else None,
                     "predrafted_mean": statistics.fmean(r["predrafts"]) if r.get("predrafts") else None,
+                    "predrafts_accepted_mean": (
+                        statistics.fmean(r["predrafts_accepted"]) if r.get("predrafts_accepted") else None
+                    ),
                 }
             )
         for p in names:
@@ -212,8 +216,8 @@ def table(result: dict) -> str:
         f"{result['load_avg']['before'][0]:.2f} before, {result['load_avg']['after'][0]:.2f} after.",
         "",
         "| store link | fetch / decode | configuration | TTFT s | e2e s | e2e / connector | accepted / drafted "
-        "| identical |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "| pre-drafted / accepted per request | identical |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for s in result["summary"]:
         link = "local, unthrottled" if s["gbits"] is None else f"{s['gbits']:g} Gbit/s"
@@ -221,8 +225,12 @@ def table(result: dict) -> str:
         vs = "-" if s["e2e_vs_connector"] is None else f"{s['e2e_vs_connector']:.2f}"
         acc = s["accepted_drafted"]
         acc = "-" if not acc or not acc[1] else f"{acc[0]} / {acc[1]}"
+        pre = "-"
+        if s.get("predrafted_mean") is not None:
+            got = s.get("predrafts_accepted_mean")
+            pre = f"{s['predrafted_mean']:.0f} / " + ("-" if got is None else f"{got:.1f}")
         lines.append(
-            f"| {link} | {fd} | {s['configuration']} | {s['ttft_s']:.2f} | {s['e2e_s']:.2f} | {vs} | {acc} | "
+            f"| {link} | {fd} | {s['configuration']} | {s['ttft_s']:.2f} | {s['e2e_s']:.2f} | {vs} | {acc} | {pre} | "
             f"{'yes' if s['identical'] else 'NO'} |"
         )
     lines += ["", "e2e / connector: mean end-to-end time over the prompts / the connector alone's, same store link."]

@@ -2,11 +2,15 @@
 
 A chain is one line of drafts: tokens = prompt + emitted + drafted, over its own draft cache (the compressed
 prefix: `kept` entries standing for prefix_len tokens, then the KV of tokens[prefix_len:in_cache]). A request
-starts with one chain; while its full copy loads, the pre-draft BRANCHES where the draft model hesitates (its
-second choice has probability >= BRANCH_P): the branch copies the cache and continues with that second token.
-When vLLM rejects a draft it emits the full model's own token there, which is the draft model's second choice
-more often than not: the branch that took it carries on with drafts already made, instead of none. vLLM
-verifies one line per step; propose picks, each step, the chain that extends what vLLM has emitted.
+starts with one chain; while its full copy loads, the pre-draft also grows BRANCHES, best first: every drafted
+token leaves a candidate, the draft model's second choice there, whose path probability (the draft model's
+probability of the chain's tokens up to there, times that of the second choice) is known; while the request
+has fewer than MAX_BRANCHES chains, the likeliest candidate above BRANCH_P becomes one (a copy of its chain's
+cache, rolled back to the branch point). When vLLM rejects a draft it emits the full model's own token,
+which is the draft model's second choice more often than not: the branch that took it carries on with drafts
+already made, instead of none. vLLM verifies one line per step; propose picks, each step, the chain that
+extends what vLLM has emitted. (Extra chains cost little per step: a draft step reads the weights once for
+all of them.)
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from ...engine.planner import AcceptanceEstimate
 from ...model.kv_cache import RowCache
 
 MAX_BRANCHES = 4  # chains per request (each holds a copy of the draft cache)
-BRANCH_P = 0.2  # a pre-draft branches where the draft model's second choice has at least this probability
+BRANCH_P = 0.15  # a branch's path probability (under the draft model) must be at least this
+CANDIDATES = 16  # branch points remembered per request
 
 
 @dataclass
@@ -38,6 +43,18 @@ class Group:
     claimed: bool = False  # by a row of vLLM's batch; a claimed group missing from a step has finished
     proposed: tuple[int, list[int], str] | None = None  # (row length, drafts, source) of the last proposal
     predraft_accepted: int = 0  # pre-drafted tokens vLLM accepted (the fetch decision learns from it)
+    candidates: list[tuple[float, "Chain", int, int]] = field(default_factory=list)  # (logp, chain, at, token)
+
+    def add_candidate(self, logp: float, chain: "Chain", at: int, token: int) -> None:
+        self.candidates.append((logp, chain, at, token))
+        self.candidates.sort(key=lambda c: -c[0])
+        del self.candidates[CANDIDATES:]
+
+    def next_branch(self, min_logp: float) -> tuple[float, "Chain", int, int] | None:
+        """The likeliest remembered branch point, if a chain may still be added and it is likely enough."""
+        if len(self.chains) >= MAX_BRANCHES or not self.candidates or self.candidates[0][0] < min_logp:
+            return None
+        return self.candidates.pop(0)
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +78,7 @@ class Chain:
     tokens: list[int]
     in_cache: int
     predrafting: bool = False
+    logp: float = 0.0  # log-probability under the draft model of the tokens it drafted
 
     @property
     def room(self) -> bool:
@@ -73,9 +91,12 @@ class Chain:
         self.cache.lengths[0] = g.kept + keep - g.prefix_len
         self.tokens, self.in_cache = list(row), keep
 
-    def branch(self, token: int) -> "Chain":
-        """A copy whose newest token (not in the cache yet) is `token` instead (the caller adds it to the group)."""
-        return Chain(self.group, fork_cache(self.cache), self.tokens[:-1] + [token], self.in_cache, self.predrafting)
+    def branch(self, at: int, token: int, logp: float) -> "Chain":
+        """A new chain: this one's tokens up to `at`, then `token` (the caller adds it to the group). The
+        cache is copied and rolled back to `at` (the entries before it are the same in both)."""
+        g, cache = self.group, fork_cache(self.cache)
+        cache.lengths[0] = g.kept + at - g.prefix_len
+        return Chain(g, cache, self.tokens[:at] + [token], at, self.predrafting, logp)
 
 
 def fork_cache(cache: RowCache) -> RowCache:

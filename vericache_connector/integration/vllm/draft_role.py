@@ -110,9 +110,7 @@ class RouterOnly:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        await send(
-            {"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"application/json")]}
-        )
+        await send({"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": REFUSED})
 
 

@@ -34,6 +34,11 @@ from ...engine.planner import AcceptanceEstimate, expected_tokens
 MARGIN = 0.05  # drafting must promise this much more throughput than plain decoding
 ALPHA_PRIOR = 0.8  # per-draft acceptance before a request has been verified
 YIELD_PRIOR = 8.0  # pre-drafted tokens vLLM accepts per request, before any was measured
+# What one more draft adds to a vLLM step, as a fraction of the step, until measured: on the CPU a verify
+# forward turns compute-bound within a few tokens (the weights' pass no longer dominates); on a GPU a few
+# dozen tokens cost about what one does.
+PER_DRAFT_PRIOR = {"cpu": 0.1, "cuda": 0.01}
+FREE_DEFAULT = 8  # drafts already made proposed per step before vLLM's step time is measured
 SAMPLES = 16  # step times kept per measurement (medians: a prefill or an idle gap is an outlier)
 BUSY_GAP_S = 0.1  # a target forward ended this recently: more are coming (vLLM is serving requests)
 
@@ -90,8 +95,9 @@ class TargetGate:
 
 
 class DraftPacer:
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, device: str = "cpu"):
         self.k_max = k_max
+        self.per_draft_prior = PER_DRAFT_PRIOR.get(device, PER_DRAFT_PRIOR["cpu"])
         self._draft = collections.deque(maxlen=SAMPLES)  # one batched single-token draft step
         self._plain = collections.deque(maxlen=SAMPLES)  # a vLLM step with no drafts to verify
         self._per_draft = collections.deque(maxlen=SAMPLES)  # what one verified draft adds to a step
@@ -109,7 +115,10 @@ class DraftPacer:
 
     @property
     def per_draft_s(self) -> float:
-        return max(0.0, statistics.median(self._per_draft)) if self._per_draft else 0.0
+        """c: measured once a few steps verified drafts, else the prior share of a step."""
+        if len(self._per_draft) >= 3:
+            return max(0.0, statistics.median(self._per_draft))
+        return self.per_draft_prior * (self.step_s or 0.0)
 
     # ---- measurements ----
     def propose_started(self, now: float | None = None) -> None:
@@ -161,7 +170,7 @@ class DraftPacer:
         t_v, c = self.step_s, self.per_draft_s
         room = min(self.k_max, room)
         if t_v is None or c <= 0:
-            return room
+            return min(room, FREE_DEFAULT)
         best_x, best_rate = 0, 1.0 / t_v
         for x in range(1, room + 1):
             rate = expected_tokens(est.alpha, x) / (t_v + c * x)

@@ -34,6 +34,7 @@ draft/ package's layout: paged float16 on the CPU), bounded by MAX_DRAFT_BYTES a
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -102,6 +103,7 @@ class CompressedKVProposer:
                 logger.warning("VeriCache proposer: no compressed-KV drafts for this model (%s); n-gram only", e)
             else:
                 target.forward = self.gate.wrap(target.forward)
+                self.pacer = DraftPacer(self.k, self.draft.device.type)
                 per_token = self.draft.cfg.kv_bytes_per_token(2)  # paged float16 draft caches on the CPU
                 logger.info(
                     "VeriCache proposer: drafts with the served model's own modules (no copy of its weights); "
@@ -188,26 +190,30 @@ class CompressedKVProposer:
 
     def _step(self, chains: list[Chain], branch: bool = False) -> None:
         """One batched draft step: each chain feeds what its cache lacks and gets one greedy draft token; a
-        pre-draft (branch=True) also branches where the second choice is likely enough."""
+        pre-draft (branch=True) remembers the second choice as a branch point and grows the likeliest one."""
         feeds = [c.tokens[c.in_cache :] for c in chains]
         t0 = time.perf_counter()
         logits = self.draft.forward(feeds, [c.in_cache for c in chains], [c.cache for c in chains])
-        top_p, top = torch.softmax(logits, -1).topk(2, dim=-1)
+        top_p, top = torch.log_softmax(logits, -1).topk(2, dim=-1)
         if max(len(f) for f in feeds) == 1:  # a plain draft step (not a suffix or catch-up feed)
             self.pacer.drafted(time.perf_counter() - t0)
-        forks = []
+        groups = []
         with self._lock:
-            for c, (t1, t2), (_, p2) in zip(chains, top.tolist(), top_p.tolist()):
+            for c, (t1, t2), (lp1, lp2) in zip(chains, top.tolist(), top_p.tolist()):
                 c.in_cache = len(c.tokens)
+                if branch and c.predrafting:
+                    c.group.add_candidate(c.logp + lp2, c, len(c.tokens), int(t2))
+                    groups.append(c.group)
                 c.tokens.append(int(t1))
+                c.logp += lp1
                 self.stats["predrafted" if c.predrafting else "drafted"] += 1
-                if branch and c.predrafting and p2 >= BRANCH_P and len(c.group.chains) < MAX_BRANCHES:
-                    forks.append((c, int(t2)))
-        for c, t2 in forks:  # outside the lock: copying a cache takes a while
-            other = c.branch(t2)
-            with self._lock:
-                c.group.chains.append(other)
-                self.stats["branches"] += 1
+        for g in {id(g): g for g in groups}.values():  # outside the lock: copying a cache takes a while
+            while (got := g.next_branch(math.log(BRANCH_P))) is not None:
+                logp, source, at, token = got
+                other = source.branch(at, token, logp)
+                with self._lock:
+                    g.chains.append(other)
+                    self.stats["branches"] += 1
 
     # ---- called by vLLM after every step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -348,6 +354,12 @@ class CompressedKVProposer:
         g = self.groups.pop(key)
         if g.prompt_len:  # it had pre-drafts: what they saved is what the next fetch decision weighs
             self.pacer.predraft_yield(g.predraft_accepted)
+            logger.info(
+                "VeriCache proposer: request done, vLLM accepted %d pre-drafted tokens; %s; %s",
+                g.predraft_accepted,
+                self.stats,
+                self.pacer.describe(),
+            )
 
 
 def _row_key(row: list[int]) -> int:

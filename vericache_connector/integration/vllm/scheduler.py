@@ -7,10 +7,13 @@ it finished. When a load fails (the worker reports its blocks), vLLM's recompute
 again (nothing valid was loaded) or schedules it with fewer computed tokens than we loaded (a local
 prefix-cache hit before the loaded part stays valid): either way the prompt is computed here and its
 stored copy rewritten (overwrite). A store that is down or slow is a miss, never a failed request.
+A prefix saved or loaded lately is not saved again: with vLLM's prefix cache on, a repeated prompt (a
+verifier's calls for one request, beside the store) would otherwise be copied out and compressed each time.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,8 @@ from ...remote.store_client import StoreClient
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 
 logger = init_logger("vllm.vericache")
+RECENT_PREFIXES = 4096  # prefixes saved or loaded lately, not saved again (a store that evicted one gets it
+# back once it falls out of this window or the server restarts)
 
 
 @dataclass
@@ -41,6 +46,18 @@ class VeriCacheConnectorScheduler:
         self._pending: dict[str, _Pending] = {}
         self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (loaded requests are not saved)
         self._repair: set[str] = set()  # their load failed: save (overwrite) after computing
+        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()
+
+    def _seen(self, prefix: list[int], remember: bool = False) -> bool:
+        """Whether `prefix` was saved or loaded lately (remember=True: it is now)."""
+        key = (len(prefix), hash(tuple(prefix)))
+        seen = key in self._recent
+        if seen or remember:
+            self._recent[key] = None
+            self._recent.move_to_end(key)
+            while len(self._recent) > RECENT_PREFIXES:
+                self._recent.popitem(last=False)
+        return seen
 
     def stored_len(self, prompt: list[int]) -> int:
         return stored_prefix_len(len(prompt), self.cfg.chunk_size)
@@ -80,9 +97,15 @@ class VeriCacheConnectorScheduler:
                 getattr(request, "max_tokens", None),
             )
             self._loaded[rid] = found
+            self._seen(prompt[:found], remember=True)
             return
         stored = self.stored_len(prompt)
-        if stored > 0 and rid not in self._pending and rid not in self._loaded:
+        if (
+            stored > 0
+            and rid not in self._pending
+            and rid not in self._loaded
+            and (rid in self._repair or not self._seen(prompt[:stored]))
+        ):
             self._pending[rid] = _Pending(prompt, stored, [], overwrite=rid in self._repair)
             self._repair.discard(rid)
 
@@ -112,6 +135,7 @@ class VeriCacheConnectorScheduler:
                 meta.saves.append(
                     SaveSpec(rid, p.prompt[: p.stored], p.block_ids[: p.stored // self.block_size], p.overwrite)
                 )
+                self._seen(p.prompt[: p.stored], remember=True)
                 del self._pending[rid]
         return meta
 
