@@ -233,6 +233,14 @@ def add_remote_parsers(sub) -> None:
 
     add_verifier_args(sub.add_parser("verifier", help="serve verify calls next to the store (drafters + verifier)"))
     add_drafter_args(sub.add_parser("drafter", help="serve generate requests, drafting on compressed copies"))
+    from .remote.router_config import add_router_args
+
+    add_router_args(
+        sub.add_parser(
+            "router",
+            help="OpenAI-compatible front of drafter-role and verifier vLLM servers: streams verified tokens",
+        )
+    )
 
 
 def _remote_command(name: str):
@@ -244,7 +252,7 @@ def _remote_command(name: str):
     return run
 
 
-REMOTE_COMMANDS = {"verifier": _remote_command("verifier"), "drafter": _remote_command("drafter")}
+REMOTE_COMMANDS = {name: _remote_command(name) for name in ("verifier", "drafter", "router")}
 
 
 def error_line(e: BaseException) -> str:

@@ -60,6 +60,9 @@ class ServerConfig:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    prefix_caching: bool = False  # vLLM's own prefix cache (off: the connector's hits show on one server)
+    kv_extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys (e.g. "role": "drafter")
+    middleware: list[str] = field(default_factory=list)  # vLLM's --middleware (import paths)
 
     def command(self, port: int) -> list[str]:
         cmd = [
@@ -77,7 +80,7 @@ class ServerConfig:
             "--enforce-eager",
             "--max-model-len",
             str(self.max_model_len),
-            "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--seed",
             str(self.seed),
         ]
@@ -87,8 +90,10 @@ class ServerConfig:
                 for k, v in (("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s), ("timeout_s", self.timeout_s))
                 if v is not None
             }
-            cfg = kv_transfer_config(self.store, self.compressor, self.multi, **extra)
+            cfg = kv_transfer_config(self.store, self.compressor, self.multi, **extra, **self.kv_extra)
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        for m in self.middleware:
+            cmd += ["--middleware", m]
         if self.spec_k > 0:
             cmd += [
                 "--speculative-config",
@@ -175,6 +180,14 @@ class VLLMServer:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body: dict, token: str | None = None, timeout_s: float = 600) -> tuple[int, dict]:
+        """(status, JSON answer) of one POST, with `token` as the Bearer token if given."""
+        return post_json(self.url + path, body, token, timeout_s)
+
     def complete(
         self,
         prompt_ids: list[int],
@@ -212,3 +225,18 @@ class VLLMServer:
                         ttft = time.perf_counter() - t0
                     ids.extend(got)
         return Completion(ids, ttft if ttft is not None else float("nan"), time.perf_counter() - t0)
+
+
+def post_json(url: str, body: dict, token: str | None = None, timeout_s: float = 600) -> tuple[int, dict]:
+    """(status, JSON answer) of one POST (an HTTP error's status and body too)."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        data = e.read()
+        try:
+            return e.code, json.loads(data)
+        except ValueError:
+            return e.code, {"raw": data.decode("utf-8", "replace")}

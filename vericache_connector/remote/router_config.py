@@ -1,0 +1,135 @@
+"""`vericache router` settings and command-line options (kept apart from the server, so that building the
+parser imports neither aiohttp nor torch), and the one secret of the router topology: the router token.
+
+The token is what a drafter-role vLLM server demands of every request (integration/vllm/draft_role.py:
+its output is drafts, never answers, so only the router may call it) and what the router sends its
+upstream servers as a Bearer token (a verifier started with VLLM_API_KEY set to it checks it too). It is
+read from $VERICACHE_ROUTER_TOKEN_FILE (a mounted Secret) or $VERICACHE_ROUTER_TOKEN, never from a
+command-line value, and never appears in logs, errors or reprs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
+
+TOKEN_ENV = "VERICACHE_ROUTER_TOKEN"
+MIN_TOKEN_BYTES = 16
+VERIFY_APIS = ("route", "prompt-logprobs")
+
+
+def router_token(env=None) -> bytes:
+    """The router token ($VERICACHE_ROUTER_TOKEN_FILE or $VERICACHE_ROUTER_TOKEN); ValueError when it is
+    missing or shorter than 16 bytes (the message never shows it)."""
+    from storage_backends.credentials import secret_from_env
+
+    token = secret_from_env(TOKEN_ENV, env, what="router token")
+    if token is None:
+        raise ValueError(
+            f"no router token: set {TOKEN_ENV}_FILE (a mounted Secret) or {TOKEN_ENV}; the router and its "
+            "drafter-role vLLM servers must share it"
+        )
+    if len(token) < MIN_TOKEN_BYTES or any(c < 0x21 or c > 0x7E for c in token):
+        raise ValueError(
+            f"the router token must be at least {MIN_TOKEN_BYTES} printable ASCII bytes without spaces "
+            f"(it travels in an HTTP header), got {len(token)} bytes"
+        )
+    return token
+
+
+def check_server_url(url: str, what: str) -> str:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(f"bad {what} URL {url!r}: expected http://HOST:PORT") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or port is None:
+        raise ValueError(f"bad {what} URL {url!r}: expected http://HOST:PORT (a vLLM OpenAI server)")
+    return url.rstrip("/")
+
+
+@dataclass
+class RouterConfig:
+    verifiers: list[str]  # vLLM servers with the connector beside the store (VerifyRoute middleware)
+    drafters: list[str] = field(default_factory=list)  # drafter-role vLLM servers (none: plain decoding)
+    served_model_name: str | None = None  # what clients name (default: the verifier's served name)
+    tokenizer: str | None = None  # for the answers' text (default: the verifier's model path)
+    verify_api: str = "route"  # route: POST /v1/vericache/verify (cached KV); prompt-logprobs: /v1/completions
+    draft_k: int = 16  # drafts per call with prompt-logprobs (each call prefills the whole sequence there)
+    k_min: int = 2  # with the route: a call goes out once this many drafts are ready and no call is in flight
+    k_max: int = 32  # the most drafts per call, and the most drafted ahead of the verified tokens
+    verify_timeout_s: float = 10.0  # one verify call
+    open_timeout_s: float = 60.0  # the opening call (it waits for the full copy to load beside the store)
+    draft_first_s: float = 60.0  # a drafter's first token (it waits for the compressed copy over the slow link)
+    draft_stall_s: float = 10.0  # a drafter stream silent this long is a fault
+    plain_stall_s: float = 120.0  # a verifier's plain decoding silent this long: try the next verifier
+    down_s: float = 10.0  # a server that faulted is skipped this long (unless every server is down)
+    max_body_bytes: int = 4 << 20
+
+    def __post_init__(self):
+        if not self.verifiers:
+            raise ValueError("the router needs at least one verifier (--verifier http://HOST:PORT)")
+        self.verifiers = [check_server_url(u, "verifier") for u in self.verifiers]
+        self.drafters = [check_server_url(u, "drafter") for u in self.drafters]
+        if self.verify_api not in VERIFY_APIS:
+            raise ValueError(f"verify_api must be one of {list(VERIFY_APIS)}, got {self.verify_api!r}")
+        for name in ("draft_k", "k_min", "k_max", "max_body_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.k_min > self.k_max:
+            raise ValueError(f"need k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}")
+        for f in fields(self):
+            if f.name.endswith("_s"):
+                value = getattr(self, f.name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"{f.name} must be a number > 0, got {value!r}")
+
+
+def add_router_args(p) -> None:
+    d = RouterConfig.__dataclass_fields__
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one, printed)")
+    p.add_argument(
+        "--verifier",
+        action="append",
+        required=True,
+        help="a verifier vLLM server (connector beside the store, --middleware ...verify_route.VerifyRoute), "
+        "http://HOST:PORT; repeat for a pool",
+    )
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        help="a drafter-role vLLM server, http://HOST:PORT; repeat for a pool (none: plain decoding on the verifier)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the verifier's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for the answers' text (default: the verifier's model)")
+    p.add_argument("--verify-api", default="route", choices=VERIFY_APIS, help="how drafts are checked")
+    for name, help_ in (
+        ("draft_k", "drafts per call with --verify-api prompt-logprobs"),
+        ("k_min", "with the route: drafts ready before a call goes out"),
+        ("k_max", "the most drafts per call and drafted ahead"),
+    ):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default, help=help_)
+    for name in ("verify_timeout_s", "open_timeout_s", "draft_first_s", "draft_stall_s", "plain_stall_s", "down_s"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)
+
+
+def config_from_args(args) -> RouterConfig:
+    return RouterConfig(
+        verifiers=list(args.verifier),
+        drafters=list(args.drafter),
+        served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer,
+        verify_api=args.verify_api,
+        draft_k=args.draft_k,
+        k_min=args.k_min,
+        k_max=args.k_max,
+        verify_timeout_s=args.verify_timeout_s,
+        open_timeout_s=args.open_timeout_s,
+        draft_first_s=args.draft_first_s,
+        draft_stall_s=args.draft_stall_s,
+        plain_stall_s=args.plain_stall_s,
+        down_s=args.down_s,
+    )

@@ -1,0 +1,191 @@
+"""The router's upstream vLLM servers: pools of drafters and verifiers, and the three calls it makes.
+
+  stream()    POST /v1/completions with stream=true and token ids in: the token ids of each chunk as it
+              comes (a drafter's drafts; a verifier's plain decoding)
+  verify()    one verify call: the verifier's greedy token after prompt + drafts[:j], j = 0..k, from one
+              forward: POST /v1/vericache/verify (integration/vllm/verify_route.py: prompt KV from vLLM's
+              prefix cache or the connector), or with --verify-api prompt-logprobs the plain OpenAI API
+              (/v1/completions, prompt_logprobs=1: vLLM prefills the whole sequence on every call)
+  tokenize()  POST /tokenize on a verifier: its own tokenization and chat template, so that the router's
+              prompt is token for token the verifier's own
+
+Every failure is an UpstreamError naming the server and the cause (refused, HTTP status, timeout, a body
+that does not fit); the router then finishes the request on a verifier alone. A server that failed is
+skipped for `down_s` (unless every server of its pool is down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+
+from .openai_verifier import _argmax
+
+MAX_ANSWER_BYTES = 64 << 20
+
+
+class UpstreamError(Exception):
+    def __init__(self, server: "Server", cause: str):
+        super().__init__(f"{server.role} {server.url}: {cause}")
+        self.server, self.cause = server, cause
+
+
+@dataclass
+class Server:
+    url: str
+    role: str  # "drafter" | "verifier"
+    model: str | None = None  # its served model name (GET /v1/models)
+    root: str | None = None  # its model path (for the router's tokenizer)
+    max_model_len: int | None = None
+    down_until: float = 0.0
+
+
+@dataclass
+class Pool:
+    servers: list[Server]
+    down_s: float
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    @classmethod
+    def of(cls, urls: list[str], role: str, down_s: float) -> "Pool":
+        return cls([Server(u, role) for u in urls], down_s)
+
+    def pick(self, avoid: set[str] = frozenset()) -> Server | None:
+        """The next server in turn that is up and not in `avoid`; else the next not in `avoid`; else None."""
+        if not self.servers:
+            return None
+        start, now = next(self._turn), time.monotonic()
+        ring = [self.servers[(start + i) % len(self.servers)] for i in range(len(self.servers))]
+        ring = [s for s in ring if s.url not in avoid]
+        return next((s for s in ring if s.down_until <= now), ring[0] if ring else None)
+
+    def fault(self, server: Server) -> None:
+        server.down_until = time.monotonic() + self.down_s
+
+
+class Upstreams:
+    """One aiohttp session for every upstream call; the router token as the Bearer token."""
+
+    def __init__(self, token: bytes | None):
+        import aiohttp
+
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = "Bearer " + token.decode()
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def _json(self, server: Server, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+        import aiohttp
+
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.session.request(
+                    method, server.url + path, data=None if body is None else json.dumps(body), headers=self.headers
+                ) as r:
+                    data = await r.content.read(MAX_ANSWER_BYTES + 1)
+                    if r.status != 200:
+                        raise UpstreamError(server, f"HTTP {r.status}: {data[:300].decode('utf-8', 'replace')}")
+        except TimeoutError:
+            raise UpstreamError(server, f"no answer within {timeout_s:g}s") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamError(server, f"{type(e).__name__}: {e}") from None
+        if len(data) > MAX_ANSWER_BYTES:
+            raise UpstreamError(server, f"answer over {MAX_ANSWER_BYTES} bytes")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise UpstreamError(server, "answer is not JSON") from None
+
+    async def describe(self, server: Server, timeout_s: float = 10.0) -> Server:
+        """Fill in the server's model name, model path and context length (once)."""
+        if server.model is None:
+            got = await self._json(server, "GET", "/v1/models", None, timeout_s)
+            try:
+                m = got["data"][0]
+                server.model, server.root = str(m["id"]), m.get("root")
+                server.max_model_len = m.get("max_model_len")
+            except (KeyError, IndexError, TypeError):
+                raise UpstreamError(server, "/v1/models lists no model") from None
+        return server
+
+    async def tokenize(self, server: Server, body: dict, timeout_s: float) -> list[int]:
+        await self.describe(server)
+        got = await self._json(server, "POST", "/tokenize", {**body, "model": server.model}, timeout_s)
+        tokens = got.get("tokens") if isinstance(got, dict) else None
+        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+            raise UpstreamError(server, "/tokenize answered no token ids")
+        return tokens
+
+    async def verify(self, server: Server, prompt: list[int], drafts: list[int], api: str, timeout_s: float):
+        """The verifier's greedy tokens after prompt + drafts[:j], j = 0..len(drafts)."""
+        if api == "route":
+            got = await self._json(
+                server, "POST", "/v1/vericache/verify", {"prompt": prompt, "drafts": drafts}, timeout_s
+            )
+            best = got.get("best") if isinstance(got, dict) else None
+        else:
+            await self.describe(server)
+            body = {
+                "model": server.model,
+                "prompt": prompt + drafts,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 1,
+                "return_token_ids": True,
+            }
+            got = await self._json(server, "POST", "/v1/completions", body, timeout_s)
+            try:
+                choice = got["choices"][0]
+                plp, n = choice["prompt_logprobs"], len(prompt)
+                best = [_argmax(plp[n + j]) for j in range(len(drafts))] + [int(choice["token_ids"][0])]
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                raise UpstreamError(server, f"unexpected answer ({type(e).__name__}: {e})") from None
+        if not (isinstance(best, list) and len(best) == len(drafts) + 1 and all(type(t) is int for t in best)):
+            raise UpstreamError(server, f"a verify answer of {len(drafts) + 1} tokens expected")
+        return best
+
+    async def stream(self, server: Server, body: dict, first_s: float, stall_s: float):
+        """Yield (token ids, finish_reason) per chunk of a streamed /v1/completions (token ids in); the first
+        chunk may take first_s, each later one stall_s."""
+        import aiohttp
+
+        await self.describe(server)
+        body = {**body, "model": server.model, "stream": True, "return_token_ids": True}
+        wait = first_s
+        try:
+            async with self.session.post(
+                server.url + "/v1/completions", data=json.dumps(body), headers=self.headers
+            ) as r:
+                if r.status != 200:
+                    detail = (await r.content.read(300)).decode("utf-8", "replace")
+                    raise UpstreamError(server, f"HTTP {r.status}: {detail}")
+                while True:
+                    async with asyncio.timeout(wait):
+                        line = await r.content.readline()
+                    if not line:
+                        raise UpstreamError(server, "the stream ended without [DONE]")
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    if line == b"data: [DONE]":
+                        return
+                    try:
+                        choice = json.loads(line[5:])["choices"][0]
+                        ids = [int(t) for t in choice.get("token_ids") or []]
+                    except (ValueError, KeyError, IndexError, TypeError) as e:
+                        raise UpstreamError(
+                            server, f"a stream chunk that does not parse ({type(e).__name__})"
+                        ) from None
+                    if ids or choice.get("finish_reason"):
+                        wait = stall_s
+                        yield ids, choice.get("finish_reason")
+        except TimeoutError:
+            raise UpstreamError(server, f"stream silent for {wait:g}s") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamError(server, f"{type(e).__name__}: {e}") from None
