@@ -70,11 +70,14 @@ def wait_lines(srv: VLLMServer, word: str, count: int, timeout_s: float = 60) ->
 
 
 def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, engine, tmp_path):
-    """Connector (inside MultiConnector) + the compressed-KV proposer: cold, warm, warm batched."""
+    """Connector (inside MultiConnector) + the compressed-KV proposer: cold, warm, warm batched. The store's
+    reads go through an emulated 25 MB/s link, so a warm request's full copy takes about 2 s to load and the
+    proposer pre-drafts on the compressed copy meanwhile (with the served model's own modules)."""
     ids, _ = prompts
     greedy, _ = reference
     store = f"local://{tmp_path}/kv"
-    with VLLMServer(ServerConfig(model_dir, store=store, spec_k=8, multi=True, timeout_s=SLOW_CI_S)) as srv:
+    cfg = ServerConfig(model_dir, store=store, spec_k=8, multi=True, timeout_s=SLOW_CI_S, bandwidth_bytes_per_s=25e6)
+    with VLLMServer(cfg) as srv:
         for p, ref in zip(ids, greedy):
             assert srv.complete(p, NEW).token_ids == ref, "cold"
         wait_lines(srv, r"saved \S+: \d+ tokens", len(ids))
@@ -86,7 +89,9 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
         hits = lines(srv, r"hit \S+: \d+ tokens loaded \(compressed copy after")
         assert len(hits) == 2 * len(ids), srv.log_tail()
         assert not lines(srv, r"load of \S+ failed|save of \S+ failed")
-        # drafts were made on the compressed copy and vLLM accepted some of them
+        # drafts were made on the compressed copy while the full copy loaded, and vLLM accepted some of them
+        assert lines(srv, r"VeriCache proposer: drafts with the served model's own modules \(no copy of its weights\)")
+        assert lines(srv, r"VeriCache pre-draft: [1-9]\d* tokens drafted on the compressed copy"), srv.log_tail()
         accepted = [float(x) for x in re.findall(r"Mean acceptance length: ([\d.]+)", srv.log())]
         assert accepted and max(accepted) > 1.5, lines(srv, "SpecDecoding")
     # the full copy vLLM's blocks gave the store is the model's own KV, in the engine's layout
