@@ -252,3 +252,36 @@ def test_the_budget_counts_packed_bytes(tiny):
         ServingEngine(eng.model, ServingConfig(compressor="snapkv-4x", draft_layout="packed"))
     with pytest.raises(ValueError, match="draft_layout must be one of"):
         ServingConfig(draft_layout="zip")
+
+
+def test_complement_reload_moves_only_the_dropped_positions_and_stays_exact(tiny, monkeypatch):
+    """(issue 27, item 2) Token dropping with its kept positions held exactly (draft pool in the model's dtype):
+    a verification reloads only the dropped positions and attends [kept, reloaded, resident tail] in one pass;
+    outputs identical to full KV, through injected reload failures (recomputed: the dropped positions only)."""
+    from vericache_connector.engine import host_tier
+
+    moved = []
+    orig_move, orig_init = host_tier.Link._move, host_tier.Link.__init__
+
+    def move(self, r):
+        moved.append((r.entry.tokens, r.entry.stored))
+        orig_move(self, r)
+
+    def init(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        self.fail_next = 2
+
+    monkeypatch.setattr(host_tier.Link, "_move", move)
+    monkeypatch.setattr(host_tier.Link, "__init__", init)
+    rep, outs, refs = serve(
+        tiny, policy="vericache", link_bytes_per_s=4e6, budget=0.3, draft_dtype="float32", reload="complement"
+    )
+    assert outs == refs and rep.reload_failures == 2
+    assert rep.peak_resident_bytes <= rep.budget_bytes and rep.mean_accepted > 1.0
+    assert moved and all(0 < n < stored for n, stored in moved if stored > 128), moved
+    # snapkv-4x keeps a quarter (topped up to whole blocks): at most 3 of 4 stored blocks are dropped
+    assert all(n <= stored - max(128, -(-stored // 4) // 128 * 128) for n, stored in moved if stored > 128)
+    with pytest.raises(ValueError, match="draft_dtype must be the model's"):
+        ServingEngine(tiny[0].model, ServingConfig(reload="complement"))
+    with pytest.raises(ValueError, match="reload must be one of"):
+        ServingConfig(reload="half")

@@ -9,6 +9,7 @@ from ..model.sampling import DecodeSettings
 
 POLICIES = ("full", "lossy", "vericache")
 DRAFT_LAYOUTS = ("auto", "packed", "decoded")
+RELOADS = ("auto", "full", "complement")
 
 
 @dataclass(kw_only=True)
@@ -25,6 +26,10 @@ class ServingConfig(DecodeSettings):
     # decoding; the budget counts packed bytes), "decoded" (decoded into the draft pool), "auto" (packed for
     # the formats vericache_kernels.paged_packed reads: KIVI 2/4/8-bit, int8, fp8; decoded otherwise)
     draft_layout: str = "auto"
+    # what a verification reloads: "full" (the prompt's stored part), "complement" (token dropping whose kept
+    # positions are held exactly, draft_dtype = the model's dtype: only the dropped ones; engine/prompt_kv.py),
+    # "auto" (complement where it applies, else full)
+    reload: str = "auto"
     link_bytes_per_s: float | None = None  # host link (None: as fast as memory copies go)
     block_size: int = 128
     max_rows: int = 64
@@ -45,6 +50,8 @@ class ServingConfig(DecodeSettings):
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.draft_layout not in DRAFT_LAYOUTS:
             raise ValueError(f"draft_layout must be one of {DRAFT_LAYOUTS}, got {self.draft_layout!r}")
+        if self.reload not in RELOADS:
+            raise ValueError(f"reload must be one of {RELOADS}, got {self.reload!r}")
         if self.budget_bytes is not None and not (_is_int(self.budget_bytes) and self.budget_bytes > 0):
             raise ValueError(f"budget_bytes must be a positive integer or None, got {self.budget_bytes!r}")
         for name in ("block_size", "max_rows", "lookahead"):

@@ -35,7 +35,9 @@ Tensor = torch.Tensor
 class HostEntry:
     keys: list[Tensor]  # per layer [n_blocks, H, D, bs]
     values: list[Tensor]  # per layer [n_blocks, H, bs, D]
-    tokens: int  # n_blocks * bs
+    tokens: int  # entries held: n_blocks * bs
+    stored: int = 0  # the prompt's whole blocks (tokens, or more with a complement reload)
+    dropped: list[Tensor] = field(default_factory=list)  # complement reload: per layer the positions held [H, n]
 
     @property
     def nbytes(self) -> int:

@@ -42,8 +42,9 @@ class Scheduler:
         draft_lens=lambda seq: (0, seq.prompt_len),
         eos: tuple[int, ...] = (),
         link: Link | None = None,
+        complement: bool = False,
     ):
-        self.cfg, self.blocks, self.link = cfg, blocks, link
+        self.cfg, self.blocks, self.link, self.complement = cfg, blocks, link, complement
         self.full_bytes_per_token, self.max_context = full_bytes_per_token, max_context
         self.draft_lens, self.eos = draft_lens, eos  # seq -> (packed prompt entries, draft-pool prompt entries)
         self.num_layers = next(iter(blocks.pools.values())).num_layers
@@ -79,10 +80,14 @@ class Scheduler:
         if self.cfg.policy == "lossy":
             return {**out, "draft": math.ceil((dense + new + 1) / bs)}
         tail = seq.prompt_len % bs  # the prompt's last partial block stays resident
+        if self.complement:  # kept blocks; drafts and verifications share the tail's blocks (emitted tokens)
+            return {"draft": dense // bs, "full": math.ceil((tail + room) / bs)}
         return {**out, "draft": math.ceil((dense + room) / bs), "full": math.ceil((tail + room) / bs)}
 
     def staging_blocks(self, seq: Sequence) -> int:
-        return seq.prompt_len // self.cfg.block_size
+        """Blocks a reload fills: the prompt's whole blocks, less the kept ones (complement reload)."""
+        kept = self.draft_lens(seq)[1] if self.complement else 0
+        return (seq.prompt_len - kept) // self.cfg.block_size
 
     def reload_seconds(self, seq: Sequence) -> float:
         nbytes = self.blocks.block_cost("full", self.staging_blocks(seq))
@@ -218,6 +223,8 @@ class Scheduler:
                 seq.phase = Phase.VERIFYING
                 toks = [seq.pending] + seq.drafts
                 view = seq.staging + seq.blocks["full"]
+                if self.complement:  # [kept, reloaded, resident tail]: every prompt position once
+                    view = seq.blocks["draft"] + view
                 out.append(
                     Segment(
                         seq, "full", toks, list(range(pos, pos + len(toks))), view, seq.full_len, "verify", seq.reload
@@ -225,9 +232,8 @@ class Scheduler:
                 )
             elif len(seq.drafts) < self.draft_cap(seq):
                 last = seq.drafts[-1] if seq.drafts else seq.pending
-                seg = Segment(
-                    seq, "draft", [last], [pos + len(seq.drafts)], seq.blocks["draft"], seq.draft_len, "draft"
-                )
+                view = seq.blocks["draft"] + (seq.blocks["full"] if self.complement else [])
+                seg = Segment(seq, "draft", [last], [pos + len(seq.drafts)], view, seq.draft_len, "draft")
                 out.append(self._with_packed(seg))
         return out
 
@@ -315,7 +321,7 @@ class Scheduler:
         self.blocks.release(self.prefill_bytes(seq))
         seq.full_len, seq.draft_len, seq.packed_len, seq.pending = seq.prompt_len, r.draft_len, r.packed_len, r.first
         if r.host is not None:
-            seq.host, seq.stored_prompt = r.host, r.host.tokens
+            seq.host, seq.stored_prompt = r.host, r.host.stored
         self.step += 1
         n = self.emit(seq, [r.first], now)
         if seq.phase != Phase.FINISHED:

@@ -21,14 +21,14 @@ import warnings
 import torch
 
 import vericache_kernels.paged_packed as PP
-from vericache_kernels.kivi import kivi_split
 
-from ..compressors import PrefixKV, get_compressor
+from ..compressors import get_compressor
 from ..model.sampling import sample, verify
 from .block_manager import BlockManager, KVPool, PackedPool
 from .config import ServingConfig
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
 from .model_runner import Batch, ModelRunner, Prefilled, Sampled, Segment
+from .prompt_kv import PromptPlacer, gather
 from .report import ServingReport, TimeSplit
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -50,6 +50,33 @@ class ServingEngine:
         if self.compressor is not None and self.compressor.needs_queries and not cfg.obs_window:
             raise ValueError(f"compressor {cfg.compressor!r} needs observation queries: obs_window must be > 0")
         self.packed = self._packed_format()
+        self.complement = self._complement()
+        inv_freq = getattr(model, "inv_freq", None)
+        self.placer = PromptPlacer(
+            self.compressor,
+            self.packed,
+            self.complement,
+            cfg.block_size,
+            None if inv_freq is None else inv_freq.float().cpu(),
+            prefill_store,
+        )
+
+    def _complement(self) -> bool:
+        """Reload only what the draft pool lacks (token dropping, the kept positions held in the model's dtype)?"""
+        c, r = self.compressor, self.cfg.reload
+        ok = (
+            self.cfg.policy == "vericache"
+            and self.packed is None
+            and hasattr(c, "keep_count")
+            and self.cfg.draft_dtype == self.full_dtype
+        )
+        if r == "complement" and not ok:
+            raise ValueError(
+                f"reload 'complement' needs a token-dropping compressor (got {self.cfg.compressor!r}) whose kept "
+                f"positions are exact copies: draft_dtype must be the model's {self.full_dtype!r} "
+                f"(got {self.cfg.draft_dtype!r}), policy 'vericache'"
+            )
+        return ok and r != "full"
 
     def _packed_format(self) -> PP.PackedFormat | None:
         """The packed pool's format for this compressor (draft_layout "auto" / "packed"), or None (decoded)."""
@@ -91,15 +118,8 @@ class ServingEngine:
         return store
 
     def draft_lens(self, seq: Sequence) -> tuple[int, int]:
-        """(entries of the compressed prompt in the packed pool, in the draft pool): a quantizer's codes packed
-        (KIVI's full-precision residual in the draft pool), token dropping's kept entries in the draft pool."""
-        t = seq.prompt_len
-        if self.packed is not None:
-            c = self.compressor
-            n = kivi_split(t, c.group, c.residual) if self.packed.kind == "kivi" else t
-            return n, t - n
-        keep = getattr(self.compressor, "keep_count", None)
-        return 0, keep(t) if keep is not None else t
+        """(entries of the compressed prompt in the packed pool, in the draft pool): prompt_kv.py."""
+        return self.placer.lens(seq.request.prompt_ids)
 
     def compressed_len(self, seq: Sequence) -> int:
         return sum(self.draft_lens(seq))
@@ -145,7 +165,11 @@ class ServingEngine:
             blocks = cap // per_block + len(seqs) + 2
             if self.cfg.policy == "vericache" and name == "full":
                 blocks += RELOADS_STAGED * max(s.prompt_len // bs for s in seqs)
+            if name == "draft" and self.complement:  # one pool: a verification attends kept + reloaded in one pass
+                continue
             pools[name] = KVPool(name, *shape, dtypes[name], blocks, dev)
+        if self.complement:
+            pools["draft"] = pools["full"]
         return pools
 
     @torch.inference_mode()
@@ -170,6 +194,7 @@ class ServingEngine:
             self.draft_lens,
             self.model.cfg.eos_token_ids,
             self.link,
+            self.complement,
         )
         for s in seqs:
             self.scheduler.check_fits(s)
@@ -214,9 +239,10 @@ class ServingEngine:
         draft pool (lossy, vericache) and the host tier + the resident tail (vericache)."""
         policy, bs, pools = self.cfg.policy, self.cfg.block_size, self.pools
         stored = seq.prompt_len // bs * bs
-        host = HostEntry([], [], stored) if policy == "vericache" else None
+        host = HostEntry([], [], stored, stored) if policy == "vericache" else None
         pin = self.model.device.type == "cuda"
         draft_len = packed_len = 0
+        ids = seq.request.prompt_ids
 
         def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor, obs: torch.Tensor | None) -> None:
             nonlocal draft_len, packed_len
@@ -224,20 +250,25 @@ class ServingEngine:
                 full = pools["full"]
                 full.write(layer, full.slots(seq.blocks["full"], 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
                 return
-            comp = self.compressor.compress(PrefixKV([k], [v], None if obs is None else [obs]))
-            draft = pools["draft"]
-            if self.packed is not None:  # the codes into packed blocks, KIVI's residual into the draft pool
-                packed_len, t = self._write_packed(seq, layer, comp)
-                ck, cv = t.get("k_tail"), t.get("v_tail")
+            side, dropped = self.placer.draft_side(ids, layer, k, v, obs)
+            if side[0] == "packed":  # the codes into packed blocks, KIVI's residual into the draft pool
+                packed_len = self._write_packed(seq, layer, side[1], side[2])
+                ck, cv = side[1].get("k_tail"), side[1].get("v_tail")
             else:
-                ck, cv = comp.layer_kv(0, torch.float32)
+                ck, cv = side[1], side[2]
             draft_len = 0 if ck is None else ck.shape[1]
             if draft_len:
+                draft = pools["draft"]
                 draft.write(
                     layer, draft.slots(seq.blocks["draft"], 0, draft_len), ck.transpose(0, 1), cv.transpose(0, 1)
                 )
-            if host is not None:
-                kb, vb = to_host_blocks(k, v, stored, bs, self.model.dtype, pin)
+            if host is not None:  # the stored part (or what the draft pool lacks of it) to the host tier
+                if dropped is None:
+                    kb, vb = to_host_blocks(k, v, stored, bs, self.model.dtype, pin)
+                else:
+                    kb, vb = to_host_blocks(*gather(k, v, dropped), dropped.shape[1], bs, self.model.dtype, pin)
+                    host.dropped.append(dropped.cpu())
+                    host.tokens = dropped.shape[1]
                 host.keys.append(kb)
                 host.values.append(vb)
                 full = pools["full"]  # the prompt's last partial block stays resident
@@ -245,20 +276,19 @@ class ServingEngine:
                 full.write(layer, tail, k[:, stored:].transpose(0, 1), v[:, stored:].transpose(0, 1))
 
         obs = self.cfg.obs_window if self.compressor is not None and self.compressor.needs_queries else 0
-        logits = self.runner.prefill(seq.request.prompt_ids, obs, on_layer, self.prefill_store)
+        logits = self.runner.prefill(ids, obs, on_layer, self.prefill_store)
+        if self.complement:  # the draft view: [kept positions, the resident tail's blocks (shared)]
+            draft_len += seq.prompt_len - stored
         first, _ = sample(logits[None], self.cfg.temperature, seq.generator)
         return Prefilled(int(first[0]), draft_len, host, packed_len)
 
-    def _write_packed(self, seq: Sequence, layer: int, comp) -> tuple[int, dict]:
-        """One layer of a quantized prompt into the row's packed blocks. -> (entries written, the layer's tensors)."""
-        t = comp.layers[0]
-        n = comp.meta.get("quantized_tokens", comp.meta["num_tokens"])
+    def _write_packed(self, seq: Sequence, layer: int, t: dict, n: int) -> int:
+        """One layer of a quantized prompt (its n quantized entries) into the row's packed blocks."""
         if n:
             codes = {name: x for name, x in t.items() if not name.endswith("_tail")}
-            pool = self.pools["packed"]
             blocks = PP.to_blocks(self.packed, codes, n, self.cfg.block_size)
-            pool.write_blocks(layer, seq.blocks["packed"][: blocks["k"].shape[0]], blocks)
-        return n, t
+            self.pools["packed"].write_blocks(layer, seq.blocks["packed"][: blocks["k"].shape[0]], blocks)
+        return n
 
     # ---- run: one packed forward ----
     def _packed_step(self, batch: Batch) -> tuple[dict[int, Sampled], float] | None:
@@ -290,7 +320,8 @@ class ServingEngine:
                 q = torch.stack(seq.draft_probs)[None] if self.cfg.temperature > 0 and k else None
                 nt, tt = verify(d, lg[None], self.cfg.temperature, q, seq.generator)
                 n, token = int(nt[0]), int(tt[0])
-            self._keep_exact(seg, n + 1)
+            if not self.complement:  # complement: drafts and the verify share the tail's blocks
+                self._keep_exact(seg, n + 1)
             out[id(seq)] = Sampled(token, accepted=n)
         return out, dt - wait
 
@@ -305,11 +336,14 @@ class ServingEngine:
             draft.write(layer, dst, kc[src // bs, :, :, src % bs], vc[src // bs, :, src % bs])
 
     def _recompute_full(self, seq: Sequence) -> None:
-        """The reload failed: recompute the prompt's stored part into the staging blocks (exact KV)."""
+        """The reload failed: recompute the prompt's stored part into the staging blocks (exact KV; with a
+        complement reload only the positions the draft pool lacks)."""
         self.reload_failures += 1
-        full = self.pools["full"]
+        full, dropped = self.pools["full"], seq.host.dropped
 
         def into_staging(layer: int, k: torch.Tensor, v: torch.Tensor, obs) -> None:
+            if dropped:
+                k, v = gather(k, v, dropped[layer].to(k.device))
             full.write(layer, full.slots(seq.staging, 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
 
         self.runner.prefill(seq.request.prompt_ids[: seq.stored_prompt], 0, into_staging)
