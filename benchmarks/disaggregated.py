@@ -22,6 +22,12 @@ verifier on a core of its own and the drafters on the others (separate machines'
 
     python benchmarks/disaggregated.py                       # the default grid (~30 min on 2 cores)
     python benchmarks/disaggregated.py --gbits 1 --drafters 2 --rounds 2 --rates
+
+--backend vllm runs the same settings with stock vLLM servers (benchmarks/disaggregated_vllm.py): a verifier
+vLLM server with the connector beside the store, per node a drafter-role vLLM server behind `vericache
+router` ("verified") and a plain connector server ("full-kv": it fetches the full copy over the slow link;
+"recompute": the same server with the connector off for the request); outputs are checked against the
+verifier server's own greedy output. Each vLLM server takes about 3 GB: keep --drafters at 1 or 2.
 """
 
 from __future__ import annotations
@@ -70,6 +76,10 @@ def parse_args(argv=None):
         "--pin",
         action="store_true",
         help="verifier on the last core, every drafter on the others (separate machines' compute, emulated)",
+    )
+    p.add_argument("--backend", default="engine", choices=["engine", "vllm"], help="our engine or vLLM servers")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="--backend vllm: vLLM's --block-size (default: its own)"
     )
     p.add_argument("--out", default="results/disaggregated")
     return p.parse_args(argv)
@@ -140,11 +150,35 @@ class Cluster:
         self.stop_drafters()
         self.verifier.stop()
 
+    def request(self, i: int, ids: list[int], method: str, args) -> dict:
+        from vericache_connector.demo import procs
 
-def request(url: str, ids: list[int], method: str, args) -> dict:
-    from vericache_connector.demo import procs
+        return procs.request(self.drafters[i].url, ids, method, args.new_tokens, args.draft_k, timeout_s=1200)
 
-    return procs.request(url, ids, method, args.new_tokens, args.draft_k, timeout_s=1200)
+    def reset(self) -> None:
+        return  # our verifier frees a request's KV when it ends; drafters keep no prompt between requests
+
+    def load_rate(self) -> list[float]:
+        """The verifier's full-copy reads, bytes/s each (its log)."""
+        return [float(x.split("(")[1].split(" bytes")[0]) / float(x.split(", ")[1].split("s)")[0])
+                for x in (self.verifier.log().split("full KV loaded ")[1:]) if "bytes, " in x]  # fmt: skip
+
+
+BACKENDS = {
+    "engine": "our engine: `vericache verifier` + `vericache drafter` processes",
+    "vllm": "vLLM servers: a verifier server with the connector, drafter-role servers behind `vericache router`",
+}
+
+
+def make_cluster(args, store: str, logs: Path, token: str):
+    if args.backend == "engine":
+        return Cluster(args, store, logs, token)
+    from disaggregated_vllm import VLLMCluster
+
+    from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
+
+    scale = 1.0 if args.scale_to == "none" else KV_BYTES_PER_TOKEN / REF_KV_BYTES_PER_TOKEN[args.scale_to]
+    return VLLMCluster(args, store, logs, token, scale)
 
 
 def run_setting(cluster: Cluster, prompts: dict, gbit: float, n: int, args, ref: dict) -> list[dict]:
@@ -154,14 +188,16 @@ def run_setting(cluster: Cluster, prompts: dict, gbit: float, n: int, args, ref:
         for r in range(args.rounds):
             for method in args.methods:
                 jobs = [(i, names[(i + r) % len(names)]) for i in range(n)]
+                cluster.reset()
                 t0 = time.perf_counter()
-                outs = list(pool.map(lambda j: request(cluster.drafters[j[0]].url, prompts[j[1]], method, args), jobs))
+                outs = list(pool.map(lambda j: cluster.request(j[0], prompts[j[1]], method, args), jobs))
                 batch_s = time.perf_counter() - t0
                 for (i, name), out in zip(jobs, outs):
                     if method == "full-kv" and out["path"] == "fetch":
                         ref.setdefault(name, out["tokens"])
                     rows.append(dict(gbit=gbit, drafters=n, round=r, method=method, prompt=name, drafter=i,
-                                     batch_s=batch_s, **{k: v for k, v in out.items() if k != "status"}))  # fmt: skip
+                                     batch_s=batch_s, backend=args.backend,
+                                     **{k: v for k, v in out.items() if k != "status"}))  # fmt: skip
     return rows
 
 
@@ -177,12 +213,13 @@ def run_rates(cluster: Cluster, prompts: dict, args, ref: dict) -> list[dict]:
                 t += rnd.expovariate(rate)
                 plan.append((t, i, names[(i + j) % len(names)]))
         for method in args.methods:
+            cluster.reset()
             t0 = time.perf_counter()
 
             def fire(job):
                 at, i, name = job
                 time.sleep(max(0.0, t0 + at - time.perf_counter()))
-                out = request(cluster.drafters[i].url, prompts[name], method, args)
+                out = cluster.request(i, prompts[name], method, args)
                 return dict(arrival_s=at, done_s=time.perf_counter() - t0, latency_s=time.perf_counter() - t0 - at,
                             prompt=name, drafter=i, **out)  # fmt: skip
 
@@ -213,6 +250,7 @@ def summarize(rows: list[dict], ref: dict, methods) -> list[dict]:
         same = [r["tokens"] == ref.get(r["prompt"]) for r in checked]
         v = by.get("verified", [])
         row = dict(
+            backend=at[0].get("backend", "engine"),
             slow_link_gbit=gbit,
             drafters=n,
             fetch_over_decode=fetch / decode if fetch and decode else None,
@@ -369,6 +407,8 @@ def main(argv=None) -> int:
     bad = set(args.methods) - {"full-kv", "verified", "recompute", "local"}
     if bad or "full-kv" not in args.methods or "verified" not in args.methods:
         raise SystemExit(f"--methods must include full-kv and verified (of full-kv verified recompute local): {bad}")
+    if args.backend == "vllm" and "local" in args.methods:
+        raise SystemExit("--methods local is our engine's (--backend engine): a vLLM node has no such mode")
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     texts = dict(list(load_prompts().items())[: args.prompts])
@@ -376,14 +416,16 @@ def main(argv=None) -> int:
     store = f"{redis}?prefix=bd{uuid.uuid4().hex[:8]}:"
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(args, store, out / "logs", secrets.token_hex(24))
+    cluster = make_cluster(args, store, out / "logs", secrets.token_hex(24))
     rows, rate_rows, ref = [], [], {}
     try:
         for gbit in args.gbits:
             cluster.start_drafters(max(args.drafters), gbit)
-            if not ref:  # a cold request per prompt writes both copies, as a miss does
+            if not ref and args.backend == "vllm":  # the verifier's own greedy outputs; it stores both copies
+                ref.update(cluster.warm(prompts, args.new_tokens))
+            elif not ref:  # a cold request per prompt writes both copies, as a miss does
                 for ids in prompts.values():
-                    request(cluster.drafters[0].url, ids, "local", args)
+                    cluster.request(0, ids, "local", args)
             for n in args.drafters:
                 rows += run_setting(cluster, prompts, gbit, n, args, ref)
                 s = summarize([r for r in rows if (r["gbit"], r["drafters"]) == (gbit, n)], ref, args.methods)[0]
@@ -401,11 +443,11 @@ def main(argv=None) -> int:
     rates = summarize_rates(rate_rows, ref) if rate_rows else []
     wall = time.perf_counter() - t_start
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    loads = [float(x.split("(")[1].split(" bytes")[0]) / float(x.split(", ")[1].split("s)")[0])
-             for x in (cluster.verifier.log().split("full KV loaded ")[1:]) if "bytes, " in x]  # fmt: skip
+    loads = cluster.load_rate()
     stored = {n: stored_prefix_len(len(ids), 256) for n, ids in prompts.items()}
     header = [
-        f"# Drafters + verifier: 1 verifier + N drafters (processes on 127.0.0.1, real Redis), SmolLM2-135M float32 "
+        f"# Drafters + verifier ({BACKENDS[args.backend]}): 1 verifier + N drafters (processes on 127.0.0.1, real "
+        f"Redis), SmolLM2-135M float32 "
         f"on the CPU, greedy, {args.new_tokens} new tokens, compressed copy {args.compressor}, draft_k {args.draft_k}, "
         f"drafter draft weights "
         f"{args.draft_weights}; prompts "
@@ -425,13 +467,15 @@ def main(argv=None) -> int:
         "Latency = client-measured request time. Speedup = mean full-kv latency / mean verified latency in the same "
         "setting (methods interleaved round by round). fetch / decode = the full-kv baseline's fetch time / its "
         "time after the fetch (suffix prefill + decoding). == full-KV: outputs identical to the full-kv output "
-        "of the same prompt (plain full-KV greedy).",
+        "of the same prompt (plain full-KV greedy"
+        + ("; --backend vllm: the verifier server's own greedy output)." if args.backend == "vllm" else ")."),
         f"Command: `{cmd}`  Wall time: {wall:.0f} s",
     ]
     table = tables(summary, rates, header)
     (out / "table.md").write_text(table + "\n")
     files = plots(summary, rates, out)
     payload = dict(
+        backend=args.backend,
         command=cmd,
         wall_s=wall,
         links_emulated=True,

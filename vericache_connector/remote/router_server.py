@@ -248,9 +248,10 @@ def make_app(router: Router):
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
         served = {**vars(st), "total_s": round(time.perf_counter() - t0, 4)}
         logger.info(
-            "router: %s: %d prompt + %d new tokens, %s%s, %d verify calls, accepted %s, %.2fs",
-            rid, len(ids), len(tokens), st.path, f" ({st.cause})" if st.cause else "", st.verify_calls,
-            st.accepted, served["total_s"],
+            "router: %s: %d prompt + %d new tokens, %s%s, %d verify calls (%.2fs), accepted %s, %d drafted, "
+            "first token %.2fs, %.2fs",
+            rid, len(ids), len(tokens), st.path, f" ({st.cause})" if st.cause else "", st.verify_calls, st.verify_s,
+            st.accepted, st.drafted, st.first_token_s or -1, served["total_s"],
         )  # fmt: skip
         if stream:
             last = chunk(tail, [], finish)
@@ -306,6 +307,18 @@ def make_app(router: Router):
     return app
 
 
+async def warm_up(router: Router, every_s: float = 2.0) -> None:
+    """The model name and the tokenizer before the first request needs them (verifiers may start later)."""
+    while True:
+        try:
+            await router.ready()
+            logger.info("router: serving %s (tokenizer loaded)", router.name)
+            return
+        except (UpstreamError, ValueError, OSError) as e:
+            logger.info("router: verifiers not ready yet (%s)", e)
+            await asyncio.sleep(every_s)
+
+
 def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
@@ -331,14 +344,16 @@ def main(args) -> int:
         await site.start()
         port = runner.addresses[0][1]
         print(
-            f"vericache router: serving on http://{args.host}:{port} (verifiers {', '.join(cfg.verifiers)}; "
+            f"vericache router: serving requests on http://{args.host}:{port} (verifiers {', '.join(cfg.verifiers)}; "
             f"drafters {', '.join(cfg.drafters) or 'none'}; verify api {cfg.verify_api})",
             flush=True,
         )
+        warm = asyncio.create_task(warm_up(router))
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
+        warm.cancel()
         await runner.cleanup()
 
     asyncio.run(serve())

@@ -123,3 +123,28 @@ def wait_for(fn, timeout_s=30.0):
             return got
         time.sleep(0.05)
     raise AssertionError("timed out")
+
+
+# ---------------------------------------------------------------- the serve role, as the router's verifier uses it
+def test_a_prompt_saved_lately_is_not_saved_again_and_a_request_can_opt_out(model_dir, store_url):
+    """A verifier gets the same prompt in every call of a request: its save must not be repeated. And
+    kv_transfer_params {"vericache": "off"} (the benchmarks' recompute baseline) neither loads nor saves."""
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(create_vllm_config(model_dir, {"store": store_url, "compressor": "kivi4"}))
+    off = create_request(PROMPT)
+    off.kv_transfer_params = {"vericache": "off"}
+    sched.add_request(off)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens[off.request_id] == len(PROMPT)  # computed, though the prefix is stored
+    assert not so.kv_connector_metadata.loads and not so.kv_connector_metadata.saves
+    sched.update_from_output(so, runner_output([off]))
+    sched.finish_requests(off.request_id, RequestStatus.FINISHED_ABORTED)
+    saves = []
+    for _ in range(2):  # a prompt with no stored prefix, twice: saved once
+        req = create_request(list(range(5000, 5600)))
+        sched.add_request(req)
+        so = sched.schedule()
+        saves += so.kv_connector_metadata.saves
+        sched.update_from_output(so, runner_output([req]))
+        sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert len(saves) == 1 and saves[0].prefix == list(range(5000, 5512))

@@ -37,7 +37,7 @@ from ...compressors import GROUPS, LayeredKV, get_compressor
 from ...remote.router_config import router_token
 from .metadata import LoadSpec, VeriCacheMetadata
 from .paged_layout import scatter_tokens
-from .scheduler import VeriCacheConnectorScheduler
+from .scheduler import VeriCacheConnectorScheduler, connector_off
 from .worker import VeriCacheConnectorWorker
 
 logger = init_logger("vllm.vericache")
@@ -123,7 +123,7 @@ class DrafterScheduler(VeriCacheConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid, prompt = request.request_id, list(request.prompt_token_ids or [])
-        if self._loaded.pop(rid, None) is not None:  # asked again: its load failed; vLLM computes the prompt
+        if self._loaded.pop(rid, None) is not None or connector_off(request):  # asked again: its load failed
             return 0, False
         stored = self.stored_len(prompt)
         lengths = range(stored, num_computed_tokens, -self.cfg.chunk_size)

@@ -7,6 +7,8 @@ it finished. When a load fails (the worker reports its blocks), vLLM's recompute
 again (nothing valid was loaded) or schedules it with fewer computed tokens than we loaded (a local
 prefix-cache hit before the loaded part stays valid): either way the prompt is computed here and its
 stored copy rewritten (overwrite). A store that is down or slow is a miss, never a failed request.
+A request whose kv_transfer_params say {"vericache": "off"} neither loads nor saves: it recomputes its prompt
+(benchmarks/disaggregated.py's recompute baseline, on the same server as its full-copy fetch).
 A prefix saved or loaded lately is not saved again: with vLLM's prefix cache on, a repeated prompt (a
 verifier's calls for one request, beside the store) would otherwise be copied out and compressed each time.
 """
@@ -28,6 +30,12 @@ from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 logger = init_logger("vllm.vericache")
 RECENT_PREFIXES = 4096  # prefixes saved or loaded lately, not saved again (a store that evicted one gets it
 # back once it falls out of this window or the server restarts)
+
+
+def connector_off(request) -> bool:
+    """kv_transfer_params {"vericache": "off"}: the connector leaves this request alone."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and params.get("vericache") == "off"
 
 
 @dataclass
@@ -65,7 +73,7 @@ class VeriCacheConnectorScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         stored = self.stored_len(prompt)
-        if stored <= num_computed_tokens:
+        if stored <= num_computed_tokens or connector_off(request):
             return 0, False
         if request.request_id in self._loaded:  # asked again: its load failed; compute, then rewrite
             del self._loaded[request.request_id]
@@ -86,6 +94,8 @@ class VeriCacheConnectorScheduler:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
         prompt = list(request.prompt_token_ids or [])
+        if connector_off(request):
+            return
         if num_external_tokens > 0 and rid in self._lookups:
             found = self._lookups.pop(rid)
             self._loads[rid] = LoadSpec(
