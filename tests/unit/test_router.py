@@ -188,11 +188,13 @@ def test_verified_output_is_the_verifiers_greedy_output_with_rejected_drafts(str
     assert verifier.calls[0] == (len(PROMPT), 0)  # the opening call: no drafts
 
 
-def test_verify_calls_through_prompt_logprobs_carry_draft_k_drafts():
+@pytest.mark.parametrize("prompt_len", [300, 6000])  # 6000: answers of ~0.5 MB, read in many pieces
+def test_verify_calls_through_prompt_logprobs_carry_draft_k_drafts(prompt_len):
     verifier = Fake("verifier")
-    got = run(routed([("v", verifier)], [("d", Fake("drafter", wrong=lambda p: p % 13 == 0))], BODY,
-                     verify_api="prompt-logprobs", draft_k=6))  # fmt: skip
-    assert got["choices"][0]["token_ids"] == WANT and got["vericache"]["path"] == "verified"
+    prompt = [(i * 7919) % VOCAB for i in range(prompt_len)]
+    got = run(routed([("v", verifier)], [("d", Fake("drafter", wrong=lambda p: p % 13 == 0))],
+                     {**BODY, "prompt": prompt}, verify_api="prompt-logprobs", draft_k=6))  # fmt: skip
+    assert got["choices"][0]["token_ids"] == greedy(prompt, 40) and got["vericache"]["path"] == "verified"
     assert len(verifier.calls) == got["vericache"]["verify_calls"] >= 3
 
 

@@ -88,15 +88,17 @@ class Upstreams:
                 async with self.session.request(
                     method, server.url + path, data=None if body is None else json.dumps(body), headers=self.headers
                 ) as r:
-                    data = await r.content.read(MAX_ANSWER_BYTES + 1)
+                    data = bytearray()
+                    async for chunk in r.content.iter_chunked(1 << 16):  # the whole answer, bounded
+                        data += chunk
+                        if len(data) > MAX_ANSWER_BYTES:
+                            raise UpstreamError(server, f"answer over {MAX_ANSWER_BYTES} bytes")
                     if r.status != 200:
-                        raise UpstreamError(server, f"HTTP {r.status}: {data[:300].decode('utf-8', 'replace')}")
+                        raise UpstreamError(server, f"HTTP {r.status}: {bytes(data[:300]).decode('utf-8', 'replace')}")
         except TimeoutError:
             raise UpstreamError(server, f"no answer within {timeout_s:g}s") from None
         except aiohttp.ClientError as e:
             raise UpstreamError(server, f"{type(e).__name__}: {e}") from None
-        if len(data) > MAX_ANSWER_BYTES:
-            raise UpstreamError(server, f"answer over {MAX_ANSWER_BYTES} bytes")
         try:
             return json.loads(data)
         except ValueError:
@@ -187,5 +189,5 @@ class Upstreams:
                         yield ids, choice.get("finish_reason")
         except TimeoutError:
             raise UpstreamError(server, f"stream silent for {wait:g}s") from None
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, ValueError) as e:  # ValueError: a line over aiohttp's limit
             raise UpstreamError(server, f"{type(e).__name__}: {e}") from None
