@@ -10,13 +10,14 @@ Cost (2-core CI): the presses run once for all specs (compress_many: one shared 
 presses, one KVzip run); one preset per method (the other ratios / bit widths take the same
 code paths: tests/unit/test_press*.py, test_quant.py check them on a tiny model)."""
 
+import press_fixtures
 import pytest
 import torch
 
 from vericache_connector.compressors import get_compressor
 from vericache_connector.compressors.heads import is_per_head
 from vericache_connector.compressors.kvpress_bridge import kvpress_available
-from vericache_connector.compressors.press import PressCompressor, compress_many
+from vericache_connector.compressors.press import PressCompressor
 from vericache_connector.engine import DecodeConfig
 
 from paths import load_benchmark
@@ -45,13 +46,13 @@ def mixed(long_refs):
 
 
 @pytest.fixture(scope="module")
-def press_copies(mixed):
-    """Every press compressor's copy of every prompt; per prompt one shared prefill for the hook presses
-    and one KVzip run."""
+def press_copies(mixed, prefills, tmp_path_factory):
+    """Every press compressor's copy of the prompt, from the run's shared press masks (one shared prefill for the
+    hook presses and one KVzip run per test run: tests/support/press_fixtures.py, also the serving tests')."""
     pre, _ = mixed
-    comps = [get_compressor(s) for s in PRESS]
-    per_prompt = [compress_many(comps, p.prefix) for p in pre]
-    return {s: [copies[i] for copies in per_prompt] for i, s in enumerate(PRESS)}
+    assert pre[0] is prefills[0] and set(PRESS) <= set(press_fixtures.PRESS)
+    masks = press_fixtures.graphlib_press_masks(prefills, tmp_path_factory)
+    return {s: [get_compressor(s).from_masks(pre[0].prefix, masks[s])] for s in PRESS}
 
 
 def check_exact(engine, mixed, copies, spec):
