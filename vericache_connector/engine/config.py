@@ -42,7 +42,16 @@ class ServingConfig(DecodeSettings):
     staging_layers: int | None = None  # the staging ring's layers; None: as many as keep the forward from waiting
     lookahead: int = 512  # W: steps the reservation rings plan ahead
     obs_window: int = 32
+    # a model-free draft source beside the compressed KV (vericache_connector/draft/ngram.py): where the newest
+    # >= ngram_match tokens repeat earlier text, a draft step also feeds up to `ngram` tokens that followed it
+    ngram: int = 0
+    ngram_match: int = 3
     backend: str = "auto"  # kernels backend (auto | ref)
+    # the capacity model (engine/capacity.py): given the hardware's figures, a VeriCache trace is served with full
+    # KV where the model predicts VeriCache / full KV <= 1 + fallback_margin (alpha_prior: the measured
+    # per-draft acceptance of the compressor)
+    hardware: object | None = None
+    fallback_margin: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -54,6 +63,8 @@ class ServingConfig(DecodeSettings):
             raise ValueError(f"reload must be one of {RELOADS}, got {self.reload!r}")
         if self.budget_bytes is not None and not (_is_int(self.budget_bytes) and self.budget_bytes > 0):
             raise ValueError(f"budget_bytes must be a positive integer or None, got {self.budget_bytes!r}")
+        if not (_is_int(self.ngram) and self.ngram >= 0) or not (_is_int(self.ngram_match) and self.ngram_match >= 1):
+            raise ValueError(f"ngram must be >= 0 and ngram_match >= 1, got {self.ngram!r}, {self.ngram_match!r}")
         for name in ("block_size", "max_rows", "lookahead"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
@@ -67,6 +78,12 @@ class ServingConfig(DecodeSettings):
             raise ValueError(f"verify_cost must be a finite number >= 0, got {self.verify_cost!r}")
         if self.staging_layers is not None and not (_is_int(self.staging_layers) and self.staging_layers >= 1):
             raise ValueError(f"staging_layers must be >= 1 or None, got {self.staging_layers!r}")
+        if self.hardware is not None and not all(
+            hasattr(self.hardware, f) for f in ("mem_bytes_per_s", "flops", "link_bytes_per_s", "devices")
+        ):
+            raise ValueError(f"hardware must be an engine.capacity.Hardware, got {self.hardware!r}")
+        if not (math.isfinite(self.fallback_margin) and self.fallback_margin > -1):
+            raise ValueError(f"fallback_margin must be a finite number > -1, got {self.fallback_margin!r}")
         rate = self.link_bytes_per_s
         if rate is not None and not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"link_bytes_per_s must be a finite number > 0 or None, got {rate!r}")

@@ -43,6 +43,7 @@ class RequestRecord:
     finished_s: float | None
     accepted: list[int]
     output: list[int] = field(repr=False)
+    ngram_drafted: int = 0  # drafts from the n-gram source (ServingConfig.ngram)
 
     @property
     def latency_s(self) -> float:
@@ -74,6 +75,8 @@ class ServingReport:
     peak_resident_bytes: int
     budget_bytes: int | None
     split: TimeSplit
+    served_policy: str = ""  # what served the trace: the policy, or "full" where the capacity model predicted a loss
+    prediction: dict | None = None  # the capacity model's prediction (ServingConfig.hardware)
 
     @classmethod
     def build(cls, cfg, seqs, makespan: float, split: TimeSplit, blocks, link, reload_failures: int) -> "ServingReport":
@@ -88,6 +91,7 @@ class ServingReport:
                 s.finished_s,
                 list(s.accepted),
                 list(s.output),
+                s.ngram_drafted,
             )
             for s in seqs
         ]
@@ -115,6 +119,7 @@ class ServingReport:
             peak_resident_bytes=blocks.peak,
             budget_bytes=blocks.budget,
             split=split,
+            served_policy=cfg.policy,
         )
 
     def outputs(self) -> dict[str, list[int]]:

@@ -21,6 +21,9 @@ from __future__ import annotations
 import collections
 import math
 
+import torch
+
+from ..draft.ngram import NgramIndex
 from .block_manager import BlockManager, BudgetExceeded
 from .config import ServingConfig
 from .host_tier import Link
@@ -232,8 +235,10 @@ class Scheduler:
                 )
             elif len(seq.drafts) < self.draft_cap(seq):
                 last = seq.drafts[-1] if seq.drafts else seq.pending
+                toks = [last] + seq.proposal[: max(0, self.draft_cap(seq) - len(seq.drafts) - 1)]
                 view = seq.blocks["draft"] + (seq.blocks["full"] if self.complement else [])
-                seg = Segment(seq, "draft", [last], [pos + len(seq.drafts)], view, seq.draft_len, "draft")
+                at = pos + len(seq.drafts)
+                seg = Segment(seq, "draft", toks, list(range(at, at + len(toks))), view, seq.draft_len, "draft")
                 out.append(self._with_packed(seg))
         return out
 
@@ -291,11 +296,17 @@ class Scheduler:
         emitted = []
         for seg in batch.segments:
             seq, r = seg.seq, result[id(seg.seq)]
-            if seg.kind == "draft":
+            if seg.kind == "draft":  # the n-gram proposals fed this step, then the model's next draft
+                for t in seg.tokens[1:]:
+                    seq.drafts.append(t)
+                    if r.q is not None:  # a proposal's law is a point mass on it
+                        seq.draft_probs.append(torch.zeros_like(r.q).index_fill_(0, torch.tensor(t), 1.0))
+                seq.ngram_drafted += len(seg.tokens) - 1
                 seq.drafts.append(r.token)
                 if r.q is not None:
                     seq.draft_probs.append(r.q)
-                seq.draft_len += 1
+                seq.draft_len += len(seg.tokens)
+                self.propose(seq)
             elif seg.kind == "decode":
                 if self.cfg.policy == "full":
                     seq.full_len += 1
@@ -315,7 +326,14 @@ class Scheduler:
                 if seq.phase != Phase.FINISHED:
                     seq.phase = Phase.DRAFTING
                     self.start_round(seq)
+                    self.propose(seq)
         return emitted
+
+    def propose(self, seq: Sequence) -> None:
+        """The n-gram proposals the row's next draft step feeds (ServingConfig.ngram; none when off)."""
+        if seq.ngram is not None:
+            room = min(self.cfg.ngram, self.draft_cap(seq) - len(seq.drafts) - 1)
+            seq.proposal = seq.ngram.propose(seq.drafts, room)
 
     def _prefilled(self, seq: Sequence, r: Prefilled, now: float) -> tuple[Sequence, int]:
         self.blocks.release(self.prefill_bytes(seq))
@@ -328,7 +346,12 @@ class Scheduler:
             self.running.append(seq)
             seq.phase = Phase.DRAFTING if self.vericache else Phase.DECODING
             if self.vericache:
+                if self.cfg.ngram:
+                    seq.ngram = NgramIndex(
+                        seq.request.prompt_ids + seq.output, self.cfg.ngram_match, self.cfg.ngram_match + 3
+                    )
                 self.start_round(seq)
+                self.propose(seq)
         return seq, n
 
     def verify_failed(self, batch: Batch) -> None:
@@ -341,6 +364,8 @@ class Scheduler:
         before = len(seq.output)
         if seq.emit(tokens, self.eos, self.cfg.stop_at_eos, now):
             self.finish(seq)
+        elif seq.ngram is not None:
+            seq.ngram.extend(seq.output[before:])
         return len(seq.output) - before
 
     # ---- reloads ----

@@ -99,6 +99,9 @@ class Sequence:
     stored_prompt: int = 0  # prompt tokens held in the host tier (whole blocks)
     host: HostEntry | None = None  # VeriCache: those blocks' full KV in host memory
     staging_ring: int = 0  # layers of the staging blocks live at once
+    ngram: object | None = None  # draft.ngram.NgramIndex over prompt + output (ServingConfig.ngram)
+    proposal: list[int] = field(default_factory=list)  # n-gram tokens the next draft step feeds
+    ngram_drafted: int = 0  # drafts that came from the n-gram source
 
     @property
     def request_id(self) -> str:

@@ -15,6 +15,8 @@ happens: a VeriCache row drafts one token per step (a "draft" segment) until its
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 import warnings
 
@@ -24,6 +26,7 @@ import vericache_kernels.paged_packed as PP
 
 from ..compressors import get_compressor
 from ..model.sampling import sample, verify
+from . import capacity
 from .block_manager import BlockManager, KVPool, PackedPool
 from .config import ServingConfig
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
@@ -178,6 +181,14 @@ class ServingEngine:
         acceptance(seq, k) -> accepted count replays recorded acceptance instead of comparing tokens (the GPU
         script's random-weight model), outputs then are not meaningful."""
         self.check(trace)
+        if self.cfg.policy == "vericache" and self.cfg.hardware is not None:
+            pred = self.predict(trace)
+            if pred.speedup <= 1 + self.cfg.fallback_margin:  # offloading does not pay here: serve full KV
+                cfg = dataclasses.replace(self.cfg, policy="full", hardware=None)
+                rep = ServingEngine(self.model, cfg, self.prefill_store).run(trace, on_tokens, acceptance)
+                rep.policy, rep.served_policy = "vericache", "full"
+                rep.prediction = {**dataclasses.asdict(pred), "speedup": pred.speedup}
+                return rep
         seqs = [
             Sequence(r, generator=torch.Generator().manual_seed(r.seed))
             for r in sorted(trace, key=lambda r: r.arrival_s)
@@ -210,7 +221,35 @@ class ServingEngine:
             if self.link is not None:
                 self.link.close()
         makespan = time.perf_counter() - self.t0
-        return ServingReport.build(cfg, seqs, makespan, self.split, blocks, self.link, self.reload_failures)
+        rep = ServingReport.build(cfg, seqs, makespan, self.split, blocks, self.link, self.reload_failures)
+        if cfg.hardware is not None:
+            pred = self.predict(trace)
+            rep.prediction = {**dataclasses.asdict(pred), "speedup": pred.speedup}
+        return rep
+
+    def predict(self, trace: list[Request]) -> capacity.Prediction:
+        """The capacity model (engine/capacity.py) for this trace on cfg.hardware: full KV against VeriCache with
+        this compressor as the pools hold it (resident bytes per token) and cfg.alpha_prior as its acceptance."""
+        cfg, mc, bs = self.cfg, self.model.cfg, self.cfg.block_size
+        ctx = statistics.fmean(len(r.prompt_ids) + r.max_new_tokens / 2 for r in trace)
+        full = self.full_bytes_per_token
+        draft = mc.kv_bytes_per_token(getattr(torch, cfg.draft_dtype).itemsize) / full
+        if self.packed is not None:
+            c = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs) / (bs * full)
+        elif hasattr(self.compressor, "keep_count"):
+            c = self.compressor.keep_count(int(ctx)) / ctx * draft
+        else:
+            c = draft
+        r = 1 - self.compressor.keep_count(int(ctx)) / ctx if self.complement else 1.0
+        params = sum(p.numel() for p in self.model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = (
+            cfg.budget_bytes
+            if cfg.budget_bytes is not None
+            else sum(full * (len(t.prompt_ids) + t.max_new_tokens) for t in trace)
+        )
+        wl = capacity.Workload(weights, params, full, mc.num_layers, int(ctx), budget, len(trace), cfg.k_max)
+        return capacity.predict(cfg.hardware, wl, min(1.0, c), cfg.alpha_prior, r)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0

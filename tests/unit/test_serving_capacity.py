@@ -1,0 +1,81 @@
+"""The capacity model (vericache_connector/engine/capacity.py) against hand-computed cases; the serving engine
+falling back to full KV where it predicts that offloading loses (and only there), its output exact either way;
+cost_model.py --serving printing the paper's table next to the model's prediction, within the issue's bounds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from vericache_connector.engine import DecodeConfig
+from vericache_connector.engine import capacity as C
+from vericache_connector.engine.config import ServingConfig
+from vericache_connector.engine.sequence import Request
+from vericache_connector.engine.serving import ServingEngine
+
+from paths import BENCH
+from tiny_model import tiny_engine
+
+# 1e12 B/s memory, no compute limit; 2e9 weight bytes; 2000 B of KV per token, 500k tokens: 1e9 B per request
+HW = C.Hardware("toy", 1e12, 1e18, 1e12, 1e15)
+WL = C.Workload(2e9, 1e9, 2000, 4, 500_000, 4.5e9)
+
+
+def test_prediction_by_hand():
+    p = C.predict(HW, WL, compression=0.25, alpha=0.0)
+    assert p.full_rows == 4 and p.full_step_s == pytest.approx(6e-3)  # (2e9 + 4e9) / 1e12
+    assert p.vc_rows == 16 and p.vc_horizon == 1  # (4.5e9 - 0.5e9 staging) / 0.25e9; nothing accepted
+    slow = C.predict(C.Hardware("toy", 1e12, 1e18, 1e12, 1e9), WL, 0.25, alpha=0.9)
+    assert slow.link_bound and slow.vc_tokens_per_s == pytest.approx(C.expected_tokens(0.9, slow.vc_horizon))
+    # a complement reload moves 3/4 of the prompt: the link allows 4/3 as many verifications
+    part = C.predict(C.Hardware("toy", 1e12, 1e18, 1e12, 1e9), WL, 0.25, alpha=0.9, reload_fraction=0.75)
+    assert part.vc_tokens_per_s == pytest.approx(slow.vc_tokens_per_s / 0.75, rel=0.05)
+    assert C.fit_alpha(8, sum(0.9**i for i in range(1, 9))) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="0 < compression <= 1"):
+        C.predict(HW, WL, 0.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    eng = tiny_engine(num_layers=4)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (400, 520, 610)]
+    refs = [eng.generate_full([eng.prefill(p)], DecodeConfig(max_new_tokens=12, stop_at_eos=False))[0] for p in prompts]
+    return eng, prompts, refs
+
+
+@pytest.mark.parametrize("link,served", [(1e3, "full"), (1e13, "vericache")])
+def test_the_engine_serves_full_kv_where_the_model_predicts_a_loss(tiny, link, served):
+    """A link too slow for any reload to pay: the engine predicts VeriCache < full KV and serves full KV; a fast
+    one: it serves VeriCache. Outputs are the full-KV greedy outputs in both."""
+    eng, prompts, refs = tiny
+    mc = eng.model.cfg
+    budget = int(1.2 * (610 + 12) * mc.kv_bytes_per_token(4))  # one full-KV row at a time
+    hw = C.Hardware("cpu (test figures)", 2e10, 1e11, 1e9, link)
+    cfg = ServingConfig(policy="vericache", budget_bytes=budget, compressor="kivi2", k_max=8, hardware=hw)
+    rep = ServingEngine(eng.model, cfg).run([Request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    assert [rep.outputs()[f"r{i}"] for i in range(3)] == refs
+    assert rep.policy == "vericache" and rep.served_policy == served
+    assert (rep.prediction["speedup"] > 1) == (served == "vericache")
+    assert (rep.verifications > 0) == (served == "vericache")
+    with pytest.raises(ValueError, match="hardware must be an engine.capacity.Hardware"):
+        ServingConfig(hardware="H200")
+
+
+def test_cost_model_prints_the_papers_table_within_the_bounds(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    import cost_model
+
+    out = tmp_path / "cm"
+    assert cost_model.main(["--serving", "--out", str(out), "--serving-context", "32768"]) == 0
+    text = capsys.readouterr().out
+    assert "| 0.74 | 102 |" in text and "| 0.2 | 102 |" in text
+    doc = json.loads(next(out.glob("*/results.json")).read_text())
+    for row in doc["paper"]:
+        assert abs(row["full_error"]) <= 0.15 and abs(row["speedup_error"]) <= 0.35, row
+    assert doc["paper_within_bounds"] == {"full_15pct": True, "vericache_35pct": True}
+    gpus = {p["hardware"].split(" (")[0] for p in doc["gpus"]}
+    assert {"H200", "GH200 144GB", "L40S", "RTX PRO 6000 Blackwell"} <= gpus or not doc["alphas"]

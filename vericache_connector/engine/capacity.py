@@ -1,0 +1,120 @@
+"""The capacity model of long-context serving (the paper's Pipeline 1): does offloading the full KV pay on this
+hardware, for this trace and this drafter? The serving engine asks it before a VeriCache run
+(ServingConfig.hardware: where it predicts a loss, the trace is served with full KV), and
+benchmarks/capacity_model.py / cost_model.py --serving print it for GPUs.
+
+A forward costs the roofline pass(bytes, tokens) = max((W + bytes) / HBM, 2 P tokens / FLOP/s), over `devices`
+tensor-parallel devices. With context T, full KV bytes per token kv, a device KV budget H:
+
+    full       B_f = floor(H / (T kv))   rows;  step_f = pass(B_f T kv, B_f);  thr_f = B_f / step_f
+    VeriCache  B_v = floor((H - S) / (c T kv))   rows (c: resident compressed bytes / full bytes, S: a staging
+               ring of 2 layers);  per step B_v drafting rows and B_v / x rows verifying x drafts over their full
+               KV:  step_v = pass(B_v c T kv + (B_v / x) T kv, B_v + (B_v / x)(x + 1));
+               verifications / s = min(B_v / (x step_v), L / (r T kv))   (the link L moves one reload at a time;
+               r: the fraction of the prompt a verification reloads, 1, or less with a complement reload);
+               thr_v = verifications / s * E(x),  E(x) = 1 + a + ... + a^x,  x the best horizon in [1, k_max]
+
+a is the per-draft acceptance (fit_alpha turns a measured mean of accepted drafts at horizon k into it).
+Link rates are EFFECTIVE rates (what pinned host-to-device copies reach, below the nominal rate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    mem_bytes_per_s: float  # device memory bandwidth, per device
+    flops: float  # dense bf16 FLOP/s, per device
+    mem_bytes: float  # device memory, per device
+    link_bytes_per_s: float  # effective host link, per device
+    devices: int = 1  # tensor parallel
+
+
+@dataclass(frozen=True)
+class Workload:
+    weight_bytes: float
+    params: float
+    kv_bytes_per_token: float  # full KV, all layers
+    num_layers: int
+    context: int
+    budget_bytes: float  # device KV budget (all devices)
+    max_rows: int = 256  # requests available (a trace has no more)
+    k_max: int = 64
+
+
+@dataclass
+class Prediction:
+    full_rows: int
+    full_step_s: float
+    full_tokens_per_s: float
+    vc_rows: int
+    vc_horizon: int
+    vc_step_s: float
+    vc_tokens_per_s: float
+    link_bound: bool
+
+    @property
+    def speedup(self) -> float:
+        if self.full_tokens_per_s:
+            return self.vc_tokens_per_s / self.full_tokens_per_s
+        return math.inf if self.vc_tokens_per_s else 0.0
+
+
+def pass_s(hw: Hardware, wl: Workload, kv_bytes: float, tokens: int) -> float:
+    mem = (wl.weight_bytes + kv_bytes) / (hw.mem_bytes_per_s * hw.devices)
+    return max(mem, 2 * wl.params * tokens / (hw.flops * hw.devices))
+
+
+def expected_tokens(alpha: float, x: int) -> float:
+    return float(x + 1) if alpha >= 1 else (1 - alpha ** (x + 1)) / (1 - alpha)
+
+
+def fit_alpha(k: int, accepted: float) -> float:
+    """a with a + a^2 + ... + a^k = accepted (a measured mean of accepted drafts of k), by bisection."""
+    target = min(accepted, k - 1e-6)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if sum(a**i for i in range(1, k + 1)) < target:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
+def predict(
+    hw: Hardware,
+    wl: Workload,
+    compression: float,
+    alpha: float,
+    reload_fraction: float = 1.0,
+    staging_layers: int = 2,
+) -> Prediction:
+    """Full KV against VeriCache on this hardware (see the module docstring)."""
+    if not 0 < compression <= 1 or not 0 <= alpha <= 1 or not 0 <= reload_fraction <= 1:
+        raise ValueError(
+            f"need 0 < compression <= 1, 0 <= alpha, reload_fraction <= 1; got {compression}, {alpha}, {reload_fraction}"
+        )
+    kv_req = wl.context * wl.kv_bytes_per_token
+    rows_f = min(wl.max_rows, int(wl.budget_bytes // kv_req))
+    step_f = pass_s(hw, wl, rows_f * kv_req, max(1, rows_f))
+    thr_f = rows_f / step_f if rows_f else 0.0
+    staging = kv_req * reload_fraction * staging_layers / wl.num_layers
+    rows_v = min(wl.max_rows, int(max(0.0, wl.budget_bytes - staging) // (compression * kv_req)))
+    link = hw.link_bytes_per_s * hw.devices
+    reloads = link / max(1.0, reload_fraction * kv_req)  # verifications per second the link allows
+    best = Prediction(rows_f, step_f, thr_f, rows_v, 1, step_f, 0.0, False)
+    for x in range(1, wl.k_max + 1):
+        verifying = rows_v / x
+        step_v = pass_s(
+            hw, wl, rows_v * compression * kv_req + verifying * kv_req, max(1, int(rows_v + verifying * (x + 1)))
+        )
+        can = rows_v / (x * step_v) if rows_v else 0.0
+        thr = min(can, reloads) * expected_tokens(alpha, x)
+        if thr > best.vc_tokens_per_s:
+            best = Prediction(rows_f, step_f, thr_f, rows_v, x, step_v, thr, can > reloads)
+    return best
