@@ -272,13 +272,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--serving",
-        type=Path,
+        nargs="?",
+        const="",
         default=None,
-        help="results.json of serving.py: check the capacity model against that CPU run, then predict the H200 "
-        "(PCIe 5 and GH200 C2C links) with its measured acceptance (see capacity_model.py)",
+        help="the capacity model of long-context serving (capacity_model.py): the paper's table next to its "
+        "prediction, then H200 / GH200 / L40S / RTX PRO 6000 with our measured acceptance per compressor; given "
+        "a serving.py results.json, also checked against that CPU run",
     )
+    p.add_argument("--acceptance", type=Path, default=None, help="--serving: acceptance.py results.json to fit a from")
+    p.add_argument("--serving-context", nargs="+", type=int, default=[32768, 131072], help="--serving: contexts")
     args = p.parse_args(argv)
-    if args.serving:
+    if args.serving is not None:
+        args.serving = Path(args.serving) if args.serving else None
         return serving_main(args, argv)
     local = LINKS[args.compressed_local].bytes_per_s if args.compressed_local else None
     drafts = load_measured(args.measured, args.ks) if args.measured else BUILTIN
@@ -313,11 +318,114 @@ def main(argv=None) -> int:
     return 0
 
 
-def serving_main(args, argv) -> int:
-    """The capacity model checked against a CPU serving run, then applied to the H200 (capacity_model.py)."""
-    from capacity_model import as_dict, predict_serving, serving_table
+def measured_alphas(path: Path | None) -> tuple[str, dict[str, tuple[float, int, float]]]:
+    """Per compressor (a, k, mean accepted) from acceptance.py's results.json (the newest under results/acceptance
+    with horizons >= 32 when path is None): a fitted at the largest horizon measured (<= 64)."""
+    from capacity_model import fit_alpha
 
-    run = json.loads(args.serving.read_text())
+    files = [path] if path else sorted(Path("results/acceptance").glob("*/results.json"), reverse=True)
+    for f in files:
+        try:
+            rows = json.loads(Path(f).read_text())["rows"]
+        except (OSError, ValueError, KeyError):
+            continue
+        best: dict = {}
+        for r in rows:
+            k, comp = r.get("k"), r.get("compressor")
+            if isinstance(k, int) and 32 <= k <= 64 and comp and r.get("mean_accepted") is not None:
+                if comp not in best or k > best[comp][1]:
+                    best[comp] = (fit_alpha(k, r["mean_accepted"]), k, r["mean_accepted"])
+        if best:
+            return str(f), best
+    return "none found", {}
+
+
+SERVED = ["kivi4", "kivi2", "int8", "fp8", "snapkv-4x", "snapkv-8x", "kvzip-5x", "expected-attention-4x", "adakv-ea-4x"]
+
+
+def serving_main(args, argv) -> int:
+    """The capacity model (engine/capacity.py, capacity_model.py): the paper's table next to its prediction, the
+    GPUs with our measured acceptance per compressor, and (given a serving.py results.json) a check against
+    that CPU run."""
+    import capacity_model as cap
+
+    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    paper, paper_preds = cap.paper_rows()
+    lines = [
+        f"Capacity model (vericache_connector/engine/capacity.py). Command: `{cmd}`",
+        "",
+        f"The paper: Llama-3.1-70B on {cap.PAPER['devices']} x H100 NVL (TP {cap.PAPER['devices']}, PCIe 5 "
+        f"{cap.PCIE_EFF:g} effective), {cap.PAPER['context']}-token contexts, a = {cap.PAPER['alpha']} per draft "
+        "(23 of 30 accepted); budget = the compressed KV's share of the full KV:",
+        "",
+        "| budget | paper full tok/s | predicted | error | paper VeriCache / full | predicted | error |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in paper:
+        lines.append(
+            f"| {r['budget']:g} | {r['paper_full_tokens_per_s']:.0f} | {r['predicted_full_tokens_per_s']:.0f} | "
+            f"{r['full_error']:+.0%} | {r['paper_speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
+            f"{r['speedup_error']:+.0%} |"
+        )
+    full_ok = all(abs(r["full_error"]) <= 0.15 for r in paper)
+    vc_ok = all(abs(r["speedup_error"]) <= 0.35 for r in paper)
+    lines += [
+        "",
+        f"full-KV prediction within 15% of the paper: {'yes' if full_ok else 'NO'}; VeriCache within 35%: "
+        f"{'yes' if vc_ok else 'NO'}",
+        "",
+        cap.serving_table(paper_preds),
+    ]
+    source, alphas = measured_alphas(args.acceptance)
+    m = cap.MODELS["llama3-8b"]
+    gpus = []
+    for name in ("H200", "GH200", "L40S", "RTX PRO 6000"):
+        hw = cap.GPUS[name]
+        for spec in [s for s in SERVED if s in alphas]:
+            c, r = cap.resident_fraction(spec)
+            for t in args.serving_context:
+                p = cap.predict(hw, m, t, cap.budget_of(hw, m), c, alphas[spec][0], k_max=64, reload_fraction=r)
+                p.compressor = spec
+                gpus.append(p)
+    lines += [
+        "",
+        f"Llama-3-8B bf16 on one GPU (90% of its memory for weights + KV), our measured acceptance per compressor "
+        f"(a fitted to the accepted drafts at the longest horizon measured, SmolLM2-135M on the CPU: {source}); "
+        "c, r as the serving engine holds the compressed KV (quantizers packed; token dropping with complement "
+        "reloads):",
+        "",
+        cap.serving_table(gpus) if gpus else "(no acceptance measurements found: run benchmarks/acceptance.py)",
+    ]
+    checks, h200 = [], []
+    if args.serving:
+        checks, h200, text = cpu_check(args.serving)
+        lines += ["", text]
+    text = "\n".join(lines)
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+    (out / "command.txt").write_text(cmd + "\n")
+    doc = {
+        "command": cmd,
+        "paper": paper,
+        "paper_within_bounds": {"full_15pct": full_ok, "vericache_35pct": vc_ok},
+        "acceptance_source": source,
+        "alphas": {k: {"alpha": a, "k": kk, "accepted": acc} for k, (a, kk, acc) in alphas.items()},
+        "gpus": [cap.as_dict(p) for p in gpus],
+        "checks": checks,
+        "summary": [cap.as_dict(p) for p in h200],
+    }
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    print(json.dumps(doc, indent=2) if args.json else text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cpu_check(path: Path) -> tuple[list[dict], list, str]:
+    """The capacity model checked against a CPU serving run, then applied to the H200 with its acceptance."""
+    from capacity_model import predict_serving, serving_table
+
+    run = json.loads(Path(path).read_text())
     rows = [r for r in run["rows"] if r["sweep"] == "budget"]
     a = run["args"]
     ctx = sum(run["prompt_tokens"]) / len(run["prompt_tokens"])
@@ -386,10 +494,8 @@ def serving_main(args, argv) -> int:
         for link in (64e9, 450e9)
         for t in (32768, 131072)
     ]
-    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     lines = [
-        f"Capacity model (capacity_model.py) checked against {args.serving} (CPU, link emulated at "
-        f"{a['link_gbps']} GB/s). Command: `{cmd}`",
+        f"Capacity model checked against {path} (CPU, link emulated at {a['link_gbps']} GB/s):",
         "",
         "| budget | measured VC/full | predicted | rows full measured/predicted | rows VC measured/predicted | a |",
         "|---:|---:|---:|---|---|---:|",
@@ -402,32 +508,23 @@ def serving_main(args, argv) -> int:
         )
     lines += [
         "",
-        f"H200 (141 GB, 90% for weights + KV), Llama-3-8B bf16, {a['compressor']} (c = {comp}), the CPU run's "
-        f"acceptance (a = {alpha:.2f}); PCIe 5 x16 = 64 GB/s, GH200 C2C = 450 GB/s:",
+        f"H200 (141 GB, 90% for weights + KV), Llama-3-8B bf16, {a['compressor']} (c = {comp:.3f}), that run's "
+        f"acceptance (a = {alpha:.2f}); nominal PCIe 5 x16 = 64 GB/s and GH200 C2C = 450 GB/s:",
         "",
         serving_table(preds),
     ]
-    text = "\n".join(lines)
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    (out / "command.txt").write_text(cmd + "\n")
-    (out / "results.json").write_text(
-        json.dumps({"command": cmd, "checks": checks, "summary": [as_dict(p) for p in preds]}, indent=2)
-    )
-    print(json.dumps({"checks": checks, "h200": [as_dict(p) for p in preds]}, indent=2) if args.json else text)
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return checks, preds, "\n".join(lines)
 
 
 def compression_of(spec: str, draft_over_full: float) -> float:
-    """Resident bytes of the compressed KV / full bytes as the serving engine holds it: its draft pool keeps the
-    compressed KV decoded in float16, so token dropping keeps 1/ratio of the tokens and quantizers keep all of them
-    (their bits are not kept packed in the pool); times draft / full bytes per element (CPU: 2/4, GPU bf16: 2/2)."""
-    import re
+    """Resident bytes of the compressed KV / full bytes as the serving engine holds it (capacity_model.
+    resident_fraction): quantizers' packed codes and scales against the full KV's element size (CPU float32 when
+    draft_over_full < 1, else bf16); token dropping's kept fraction times draft / full bytes per element (CPU: a
+    float16 draft pool against float32 full KV = 0.5; GPU bf16: 1)."""
+    from capacity_model import resident_fraction
 
-    m = re.search(r"(\d+)x$", spec) or re.search(r"ratio=(\d+(?:\.\d+)?)", spec)
-    return (1.0 / float(m.group(1)) if m else 1.0) * draft_over_full
+    c, reload_fraction = resident_fraction(spec, head_dim=64, kv_elem_bytes=2 if draft_over_full >= 1 else 4)
+    return c * draft_over_full if reload_fraction < 1 else c
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import shlex
 import statistics
@@ -36,6 +37,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import bench_paths
+
+EMULATED = (
+    "CPU proxy: the device KV budget is a byte cap on the resident caches and the host link is EMULATED on the CPU "
+    "(real copies on a copy thread, paced to {link} GB/s; link rows {links}); the compute is real"
+)
 
 
 def parse_args(argv=None):
@@ -80,6 +86,23 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/serving")
     p.add_argument("--json", action="store_true", help="print results.json on stdout")
+    p.add_argument(
+        "--kinds",
+        nargs="*",
+        default=None,
+        help="instead of the grid: accepted drafts per verification (A) per prompt kind, VeriCache with and "
+        "without the n-gram draft source (--ngram), on these bundled prompts (none given: a code continuation "
+        "and the six chat prompts), each compressor of --compressor / --kinds-compressors",
+    )
+    p.add_argument("--kinds-compressors", nargs="+", default=None, help="compressors of --kinds (default --compressor)")
+    p.add_argument("--ngram", type=int, default=8, help="--kinds: n-gram tokens proposed per draft step")
+    p.add_argument("--draft-dtype", default="float16", help="the draft pool's dtype (float32: complement reloads)")
+    p.add_argument(
+        "--fallback",
+        action="store_true",
+        help="VeriCache runs ask the capacity model (engine/capacity.py, with this CPU's figures calibrated from "
+        "the budget's full-KV run and --alpha as the acceptance) and serve full KV where it predicts a loss",
+    )
     args = p.parse_args(argv)
     if not 0 < args.min_tokens <= args.max_tokens:
         p.error(f"need 0 < --min-tokens <= --max-tokens, got {args.min_tokens}, {args.max_tokens}")
@@ -125,20 +148,20 @@ def trace(prompts, new: int, rate: float | None, seed: int):
     return out
 
 
-def run_one(model, policy, budget, args, reqs, refs, store, label, link_gbps=None):
+def run_one(model, policy, budget, args, reqs, refs, store, label, link_gbps=None, hardware=None):
     from vericache_connector.engine.config import ServingConfig
     from vericache_connector.engine.serving import ServingEngine
 
     cfg = ServingConfig(
+        hardware=hardware,
         policy=policy,
         budget_bytes=budget,
         compressor=args.compressor,
         k_max=args.k_max,
         link_bytes_per_s=(link_gbps or args.link_gbps) * 1e9,
         alpha_prior=args.alpha,
+        draft_dtype=args.draft_dtype,
     )
-    import os
-
     total = sum(r.max_new_tokens for r in reqs)
     load0 = os.getloadavg()[0]
     with tqdm(total=total, desc=label, unit="tok", leave=False) as bar:
@@ -155,10 +178,41 @@ def run_one(model, policy, budget, args, reqs, refs, store, label, link_gbps=Non
         link_gbps=link_gbps or args.link_gbps,
         load_avg=load,
         accepted_per_request={r.request_id: r.accepted for r in rep.requests} if policy == "vericache" else {},
+        served_policy=rep.served_policy,
+        predicted_speedup=None if rep.prediction is None else rep.prediction["speedup"],
         identical=same == len(reqs),
         max_concurrent=max_concurrency(rep),
     )
     return row
+
+
+def cpu_flops(model) -> float:
+    """The CPU's FLOP/s on this model: a 256-token forward, timed (the capacity model's compute roofline)."""
+    import torch
+
+    from vericache_connector.engine.model_runner import ModelRunner
+
+    ids = list(range(1, 257))
+    runner = ModelRunner(model, {})
+    runner.prefill(ids, 0, lambda *a: None)
+    t = time.perf_counter()
+    runner.prefill(ids, 0, lambda *a: None)
+    params = sum(p.numel() for p in model.parameters())
+    return 2 * params * len(ids) / (time.perf_counter() - t) if torch.get_num_threads() else 1e12
+
+
+def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops: float):
+    """engine.capacity.Hardware of this CPU: memory bandwidth from a full-KV run's decode steps (weights + its rows'
+    KV read per step), FLOP/s timed, the emulated link (the budget is the run's: mem_bytes unused)."""
+    from vericache_connector.engine.capacity import Hardware
+
+    steps = max(1, full_row["steps"])
+    ctx = statistics.fmean(len(p) for p in prompts)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
+    rows = max(1, full_row["max_concurrent"])
+    bw = (weights + rows * ctx * kv) / (full_row["decode_step_s"] / steps)
+    return Hardware("CPU (calibrated)", bw, flops, 0.0, link_bytes_per_s)
 
 
 def max_concurrency(rep) -> int:
@@ -176,6 +230,9 @@ def main(argv=None) -> int:
     bench_paths.setup()
     import torch
 
+    if args.kinds is not None:
+        return kinds_main(args, argv)
+
     from vericache_connector.engine import DecodeConfig, VeriCacheEngine
 
     torch.set_num_threads(args.threads)
@@ -184,6 +241,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     (out / "command.txt").write_text(cmd + "\n")
+    print(EMULATED.format(link=args.link_gbps, links=args.links), file=sys.stderr)
     engine = VeriCacheEngine.from_pretrained(args.model)
     model = engine.model
     prompts = make_prompts(engine, args.requests, args.min_tokens, args.max_tokens, args.seed)
@@ -215,6 +273,7 @@ def main(argv=None) -> int:
     for policy in args.policies:
         run_one(model, policy, None, args, warm, {r.request_id: [] for r in warm}, {}, f"warm-up {policy}")
     rows = []
+    flops = cpu_flops(model) if args.fallback else None
     grid = (
         [("budget", b, None, None) for b in args.budgets]
         + [("rate", args.rate_budget, r, None) for r in args.rates]
@@ -227,7 +286,11 @@ def main(argv=None) -> int:
             if kind == "link" and policy != "vericache":  # only VeriCache uses the link: its baseline is the budget row
                 continue
             label = f"{kind} {frac:g}{'' if rate is None else f' @ {rate:g}/s'}{'' if link is None else f' {link:g} GB/s'} {policy}"
-            row = run_one(model, policy, int(frac * demand), args, reqs, refs, store, label, link)
+            hw = None
+            if args.fallback and policy == "vericache":  # the CPU's figures from this budget's full-KV run
+                base = next((r for r in rows if r["policy"] == "full" and r["budget_fraction"] == frac), None)
+                hw = None if base is None else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops)
+            row = run_one(model, policy, int(frac * demand), args, reqs, refs, store, label, link, hw)
             row.update(sweep=kind, budget_fraction=frac, rate=rate)
             rows.append(row)
             print(fmt_row(row), file=sys.stderr)
@@ -237,8 +300,106 @@ def main(argv=None) -> int:
     print(table(rows, args, demand, prefill_s, cmd))
     if args.json:
         print(json.dumps(doc, indent=2))
+    print(EMULATED.format(link=args.link_gbps, links=args.links), file=sys.stderr)
     print(f"results in {out}", file=sys.stderr)
     return 0 if all(r["identical"] for r in rows if r["policy"] != "lossy") else 1
+
+
+KINDS = ["graphlib_py"] + [
+    "chat_code_textwrap",
+    "chat_customization_qa",
+    "chat_debugger_multiturn",
+    "chat_formatstrings_qa",
+    "chat_json_extract_shlex",
+    "chat_tool_call_inventory",
+]
+
+
+def kinds_main(args, argv) -> int:
+    """A (accepted drafts per verification) per prompt kind, with and without the n-gram draft source: each
+    prompt alone (no budget), VeriCache over the emulated link, outputs checked against full-KV greedy."""
+    import torch
+
+    from vericache_connector.data.chat_prompts import chat_prompt_names, load_any_prompt, load_chat_prompt
+    from vericache_connector.engine import DecodeConfig, VeriCacheEngine
+    from vericache_connector.engine.config import ServingConfig
+    from vericache_connector.engine.sequence import Request
+    from vericache_connector.engine.serving import ServingEngine
+
+    torch.set_num_threads(args.threads)
+    names = args.kinds or KINDS
+    out = Path(args.out) / (time.strftime("%Y%m%d-%H%M%S") + "-kinds")
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    print(EMULATED.format(link=args.link_gbps, links=[]), file=sys.stderr)
+    engine = VeriCacheEngine.from_pretrained(args.model)
+    model, store, rows = engine.model, {}, []
+    cache = reference_cache(args.model, model.dtype)
+    for name in names:
+        kind = load_chat_prompt(name)["kind"] if name in chat_prompt_names() else "plain text: " + name
+        ids = engine.encode(load_any_prompt(name, engine.tokenizer))
+        key = cache / (hashlib.blake2b(json.dumps([ids, args.new]).encode(), digest_size=12).hexdigest() + ".json")
+        ServingEngine.precompute_prefills(model, [ids], engine.obs_window, store)
+        if key.is_file():
+            ref = json.loads(key.read_text())["output"]
+        else:
+            ref = engine.generate_full([engine.prefill(ids)], DecodeConfig(max_new_tokens=args.new, stop_at_eos=False))[
+                0
+            ]
+            key.write_text(json.dumps({"output": ref}))
+        for comp in args.kinds_compressors or [args.compressor]:
+            for ngram in (0, args.ngram):
+                cfg = ServingConfig(
+                    policy="vericache",
+                    compressor=comp,
+                    k_max=args.k_max,
+                    link_bytes_per_s=args.link_gbps * 1e9,
+                    alpha_prior=args.alpha,
+                    ngram=ngram,
+                    obs_window=engine.obs_window,
+                    draft_dtype=args.draft_dtype,
+                )
+                rep = ServingEngine(model, cfg, store).run([Request("r0", ids, args.new)])
+                r = rep.requests[0]
+                rows.append(
+                    dict(
+                        prompt=name,
+                        kind=kind,
+                        prompt_tokens=len(ids),
+                        compressor=comp,
+                        ngram=ngram,
+                        accepted_per_verify=rep.mean_accepted,
+                        verifications=rep.verifications,
+                        ngram_drafted=r.ngram_drafted,
+                        tokens_per_s=rep.tokens_per_s,
+                        identical=r.output == ref,
+                        load_avg=os.getloadavg()[0],
+                    )
+                )
+                print(
+                    f"{name} {comp} ngram {ngram}: A {rep.mean_accepted:.2f} over {rep.verifications} verifications, "
+                    f"{r.ngram_drafted} n-gram drafts, identical {r.output == ref}",
+                    file=sys.stderr,
+                )
+    lines = [
+        f"`{cmd}`",
+        "",
+        "| prompt | kind | tokens | compressor | A without n-gram | A with n-gram | n-gram drafts | identical |",
+        "|---|---|---:|---|---:|---:|---:|---|",
+    ]
+    for a, b in zip(rows[::2], rows[1::2]):
+        lines.append(
+            f"| {a['prompt']} | {a['kind']} | {a['prompt_tokens']} | {a['compressor']} | "
+            f"{a['accepted_per_verify']:.2f} | {b['accepted_per_verify']:.2f} | {b['ngram_drafted']} | "
+            f"{'yes' if a['identical'] and b['identical'] else 'NO'} |"
+        )
+    text = "\n".join(lines) + "\n"
+    doc = {"summary": rows, "command": cmd, "new_tokens": args.new, "k_max": args.k_max, "link_gbps": args.link_gbps}
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    (out / "table.md").write_text(text)
+    print(text)
+    print(f"results in {out}", file=sys.stderr)
+    return 0 if all(r["identical"] for r in rows) else 1
 
 
 def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
@@ -260,15 +421,21 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
         row["ratio_vs_full"] = None if base is None else row["tokens_per_s"] / base["tokens_per_s"]
     summary = [
         {
+            "sweep": r["sweep"],
             "budget_fraction": r["budget_fraction"],
+            "rate": r["rate"],
             "policy": r["policy"],
+            "compressor": args.compressor if r["policy"] != "full" else None,
+            "link_gbps": r["link_gbps"] if r["policy"] == "vericache" else None,
             "tokens_per_s": r["tokens_per_s"],
             "ratio_vs_full": r["ratio_vs_full"],
             "identical": r["identical"],
             "requests": r["requests"],
+            "mean_accepted": r["mean_accepted"],
+            "load_avg": r["load_avg"],
+            "served_policy": r.get("served_policy", r["policy"]),
         }
         for r in rows
-        if r["sweep"] == "budget"
     ]
     doc = {
         "summary": summary,
@@ -281,8 +448,8 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
         "args": vars(args),
         "threads": ctx["threads"],
         "command": ctx["cmd"],
-        "proxy": "CPU: device budget = byte cap on resident caches; host link emulated at "
-        f"{args.link_gbps} GB/s (real copies, paced); compute real; prefills computed once, replayed",
+        "proxy": EMULATED.format(link=args.link_gbps, links=args.links) + "; prefills computed once, replayed",
+        "load_avg": os.getloadavg(),
     }
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     (out / "table.md").write_text(table(rows, args, ctx["demand"], ctx["prefill_s"], ctx["cmd"]))

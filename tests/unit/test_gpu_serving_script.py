@@ -1,5 +1,7 @@
-"""benchmarks/gpu_serving.py (the device check of the serving scheduler) runs end to end on the CPU with a
-tiny random model, so it does not rot between device calls; without CUDA and --smoke it refuses."""
+"""benchmarks/gpu_serving.py (every GPU check of the serving engine in one call) runs end to end on the CPU with a
+tiny random model, so it does not rot between device calls: its kernel checks (the fused CPU kernel in place of
+Triton, which tests/unit/test_kernels_paged_packed.py runs under the interpreter) and its serving runs (full KV,
+a token dropper with complement reloads, kivi4 packed); without CUDA and --smoke it refuses."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ def test_gpu_serving_dry_run(capsys):
     assert rows["vericache"]["verifications"] > 0 and rows["vericache"]["reload_failures"] == 0
     assert all(r["peak_resident_bytes"] <= r["budget_bytes"] for r in rows.values())
     assert "replayed" in doc["note"] and doc["acceptance"]
+    assert doc["kernels_ok"] and {k["case"].split()[1] for k in doc["kernels"]} == {"kivi4", "kivi2", "int8", "fp8"}
+    vc = {r["compressor"]: r for r in doc["rows"] if r["policy"] == "vericache"}
+    assert vc["snapkv-4x"]["complement"] and vc["kivi4"]["draft_layout"] == "packed"
+    assert all(r["verifications"] > 0 and r["mean_verify_step_ms"] > 0 for r in vc.values())
 
 
 def test_replay_follows_the_recorded_rounds():

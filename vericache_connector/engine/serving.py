@@ -248,7 +248,8 @@ class ServingEngine:
             if cfg.budget_bytes is not None
             else sum(full * (len(t.prompt_ids) + t.max_new_tokens) for t in trace)
         )
-        wl = capacity.Workload(weights, params, full, mc.num_layers, int(ctx), budget, len(trace), cfg.k_max)
+        k_max = max(1, min(cfg.k_max, max(r.max_new_tokens for r in trace)))  # no round drafts past the output
+        wl = capacity.Workload(weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max)
         return capacity.predict(cfg.hardware, wl, min(1.0, c), cfg.alpha_prior, r)
 
     def now(self) -> float:

@@ -1,0 +1,54 @@
+"""benchmarks/serving.py's results.json: every row in the summary with the link it ran at and the machine's load
+average beside its throughput and ratio (issue 27), and its output saying the budget and link are emulated."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from paths import load_benchmark
+
+
+def row(policy, sweep="budget", link=0.5, tps=10.0, load=0.3):
+    return {
+        "policy": policy,
+        "sweep": sweep,
+        "budget_fraction": 0.25,
+        "rate": None,
+        "link_gbps": link,
+        "tokens_per_s": tps,
+        "identical": True,
+        "identical_n": 6,
+        "requests": 6,
+        "mean_accepted": 0.0 if policy == "full" else 20.0,
+        "load_avg": load,
+        "max_concurrent": 1,
+        "mean_latency_s": 1.0,
+        "p90_latency_s": 1.0,
+        "mean_ttft_s": 1.0,
+        "link_utilization": 0.0,
+        "peak_resident_bytes": 1,
+        "draft_step_s": 0.0,
+        "verify_step_s": 0.0,
+        "decode_step_s": 0.0,
+        "link_wait_s": 0.0,
+        "idle_s": 0.0,
+    }
+
+
+def test_summary_carries_link_and_load_average(tmp_path):
+    mod = load_benchmark("serving")
+    args = argparse.Namespace(
+        link_gbps=0.5, links=[0.08], requests=6, min_tokens=4096, max_tokens=8192, new=64, compressor="kivi4", k_max=64
+    )
+    rows = [row("full", tps=10.0), row("vericache", tps=25.0), row("vericache", sweep="link", link=0.08, tps=12.0)]
+    ctx = dict(demand=1, prompts=[[1] * 5000], prefill_s=[1.0], cmd="python benchmarks/serving.py", threads=1)
+    mod.write(tmp_path, rows, args, ctx, complete=True)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    summary = {(r["sweep"], r["policy"]): r for r in doc["summary"]}
+    assert summary[("budget", "vericache")]["ratio_vs_full"] == 2.5
+    assert summary[("link", "vericache")]["ratio_vs_full"] == 1.2  # against the budget sweep's full-KV row
+    assert summary[("link", "vericache")]["link_gbps"] == 0.08 and summary[("budget", "full")]["link_gbps"] is None
+    assert all(r["load_avg"] == 0.3 for r in doc["summary"]) and len(doc["load_avg"]) == 3
+    assert "EMULATED" in doc["proxy"] and "byte cap" in doc["proxy"]
+    assert "EMULATED" in (tmp_path / "table.md").read_text()
