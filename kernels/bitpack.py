@@ -29,11 +29,13 @@ def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = packed_len(n, bits)
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
-    if 8 % bits == 0:  # fast path: whole codes per byte
+    if 8 % bits == 0:  # fast path: whole codes per byte, OR-ed in uint8 (a sum over a 2-4 wide dim is slow)
         per = 8 // bits
-        c = codes.to(torch.int32).reshape(*codes.shape[:-1], nbytes, per)
-        shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
-        return (c << shifts).sum(-1).to(torch.uint8)
+        c = codes.to(torch.uint8).reshape(*codes.shape[:-1], nbytes, per)
+        out = c[..., 0].clone()
+        for j in range(1, per):
+            out |= c[..., j] << (j * bits)
+        return out
     # general path: expand to a bit stream, regroup by 8
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [..., n, bits]
@@ -49,12 +51,13 @@ def unpack_bits_ref(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"expected {nbytes} bytes for {n} codes of {bits} bits, got {packed.shape[-1]}")
     if bits == 8:
         return packed
-    p = packed.to(torch.int32)
     if 8 % bits == 0:
-        per = 8 // bits
-        shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-        codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        return codes.reshape(*packed.shape[:-1], n).to(torch.uint8)
+        per, mask = 8 // bits, (1 << bits) - 1
+        codes = torch.empty(*packed.shape, per, dtype=torch.uint8, device=packed.device)
+        for j in range(per):
+            torch.bitwise_and(packed >> (j * bits), mask, out=codes[..., j])
+        return codes.reshape(*packed.shape[:-1], n)
+    p = packed.to(torch.int32)
     weights = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((p.unsqueeze(-1) >> weights) & 1).reshape(*packed.shape[:-1], n, bits)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
