@@ -58,6 +58,7 @@ class Stats:
     verify_calls: int = 0
     accepted: list[int] = field(default_factory=list)
     drafted: int = 0  # draft tokens received (including those a rejection threw away)
+    streams: int = 0  # drafter requests (one, plus one per restart after a rejection)
     first_token_s: float | None = None
     verify_s: float = 0.0  # summed verify-call round trips
     verifier: str | None = None
@@ -169,6 +170,7 @@ class RoutedDecode:
             m = min(budget() - 1, k_cap) - len(spec)  # drafts past the budget or the cap are never sent
             stream_done, stream_task = m <= 0, None
             if m > 0:
+                self.stats.streams += 1
                 stream_task = asyncio.create_task(
                     self._drafts(drafter, self.prompt + self.emitted + spec, m, gen, events)
                 )

@@ -248,10 +248,10 @@ def make_app(router: Router):
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
         served = {**vars(st), "total_s": round(time.perf_counter() - t0, 4)}
         logger.info(
-            "router: %s: %d prompt + %d new tokens, %s%s, %d verify calls (%.2fs), accepted %s, %d drafted, "
-            "first token %.2fs, %.2fs",
+            "router: %s: %d prompt + %d new tokens, %s%s, %d verify calls (%.2fs), accepted %s, %d drafted in %d "
+            "streams, first token %.2fs, %.2fs",
             rid, len(ids), len(tokens), st.path, f" ({st.cause})" if st.cause else "", st.verify_calls, st.verify_s,
-            st.accepted, st.drafted, st.first_token_s or -1, served["total_s"],
+            st.accepted, st.drafted, st.streams, st.first_token_s or -1, served["total_s"],
         )  # fmt: skip
         if stream:
             last = chunk(tail, [], finish)
