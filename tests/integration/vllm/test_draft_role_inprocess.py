@@ -1,6 +1,6 @@
 """The connector's drafter role in-process (vLLM's own v1 Scheduler, a paged buffer in vLLM's CPU layout): it
 loads ONLY the compressed copy, decoded into the request's blocks, never the full copy, and writes nothing
-to the store. The live-server test (test_router.py) checks the router's output end to end."""
+to the store. The live-server test (test_vllm_router.py) checks the router's output end to end."""
 
 from __future__ import annotations
 
