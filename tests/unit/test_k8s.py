@@ -696,9 +696,19 @@ def test_the_image_runs_every_role_it_is_used_for(tmp_path):
             assert "install -m 0755 /tmp/vllm-serve.sh /usr/local/bin/vllm" in dockerfile
         elif cmd != "python":
             assert canonicalize_name(scripts[cmd].dist.name) in installed, (name, cmd)
+    # the top-level modules of the environment, read in a fresh interpreter: once this process has imported
+    # pkg_resources, setuptools/_vendor is on sys.path and its vendored jaraco.* would count as distributions
+    # the image lacks (blocking what pkg_resources imports from there)
+    tops = subprocess.run(
+        [sys.executable, "-c", "import json, importlib.metadata as m; print(json.dumps(m.packages_distributions()))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     blocked = sorted(
         top
-        for top, dists in md.packages_distributions().items()
+        for top, dists in json.loads(tops.stdout).items()
         if top not in sys.stdlib_module_names and not {canonicalize_name(d) for d in dists} & installed
     )
     probe = {name: (ms, cs) for name, (_, ms, cs) in roles.items()}

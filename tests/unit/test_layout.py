@@ -176,3 +176,12 @@ def test_one_accept_rule_and_one_emit_rule():
         if budget.search(text):
             found["emit"].append(module)
     assert found == {"accept": ["vericache_connector.model.sampling"], "emit": ["vericache_connector.model.sampling"]}
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir-relative, no packages): two test_x.py in different
+    folders make the second a collection error in a full run while each passes alone."""
+    seen: dict[str, list[str]] = {}
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

@@ -27,7 +27,7 @@ SECRET = "a-verifier-token-0123456789"
 @pytest.fixture(autouse=True)
 def _no_curve(monkeypatch):
     """The protocol and the client against an in-thread ROUTER without CURVE keys (a test setup: calls in
-    clear); CURVE itself: tests/unit/test_hardening_verifier.py."""
+    clear); CURVE itself: tests/unit/test_hardening_verifier.py (a verifier dying mid-call, end to end: tests/integration/stores/test_verifier_dies_midcall.py)."""
     monkeypatch.setenv("VERICACHE_VERIFIER_INSECURE", "1")
     for name in ("SECRET_KEY", "CLIENT_KEYS", "CLIENT_SECRET_KEY", "PUBLIC_KEY"):
         monkeypatch.delenv(f"VERICACHE_VERIFIER_{name}", raising=False)

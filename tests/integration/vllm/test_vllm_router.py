@@ -115,7 +115,8 @@ def route(verifiers, drafters, **cfg) -> RouterThread:
 def test_router_answers_the_verifiers_own_greedy_output(servers):
     verifier, drafter, ids, ref = servers
     body = {"prompt": ids, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    with route([verifier.url], [drafter.url]) as url:
+    # a verify call's deadline far above its time here (10 s by default: a loaded 2-core CI machine passed it)
+    with route([verifier.url], [drafter.url], verify_timeout_s=60.0) as url:
         got, served = streamed(url, "/v1/completions", body)
         chat = {"messages": [{"role": "user", "content": "Write one sentence about the sea."}], "max_tokens": 60}
         chat |= {"temperature": 0, "return_token_ids": True}
