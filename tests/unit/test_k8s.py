@@ -484,8 +484,9 @@ def test_logging_config_prints_the_connectors_lines(name):
 
 
 def test_pods_run_the_connector_alone_by_default():
-    """Every vLLM container runs the connector without the proposer (experimental: on the CPU it made warm
-    requests slower than the connector alone, README "vLLM connector") and recomputes on a failed load."""
+    """Every vLLM container runs the connector without the proposer (its store is in the cluster, a fast link,
+    where the proposer drafts nothing: docs/vllm.md "Measured: where the proposer pays") and recomputes on a
+    failed load."""
     seen = 0
     for obj in all_objects():
         if obj["kind"] != "Deployment":
