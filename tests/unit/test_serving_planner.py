@@ -112,3 +112,20 @@ def test_pool_slots_and_round_trip():
     assert p.slots(view, 31, 2).tolist() == [5 * 32 + 31, 2 * 32]
     with pytest.raises(ValueError, match="past 2 blocks"):
         p.slots(view, 60, 5)
+
+
+def test_verify_cost_adds_what_a_verify_step_costs_every_row():
+    """The horizon's verify cost, in draft steps: cfg.verify_cost until both step kinds are measured, then
+    plus the batch's rows times a verify step's extra time over a draft step (every row waits for it)."""
+    from types import SimpleNamespace
+
+    from vericache_connector.engine.config import ServingConfig
+    from vericache_connector.engine.scheduler import Scheduler
+
+    cfg = ServingConfig()
+    unmeasured = SimpleNamespace(cfg=cfg, draft_s=0.1, verify_s=None)
+    assert Scheduler.verify_cost(unmeasured, 4) == cfg.verify_cost
+    measured = SimpleNamespace(cfg=cfg, draft_s=0.1, verify_s=0.25)
+    assert Scheduler.verify_cost(measured, 4) == pytest.approx(cfg.verify_cost + 4 * 1.5)
+    cheaper = SimpleNamespace(cfg=cfg, draft_s=0.1, verify_s=0.05)  # noise: never below the configured cost
+    assert Scheduler.verify_cost(cheaper, 4) == cfg.verify_cost

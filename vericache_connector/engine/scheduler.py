@@ -57,6 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step = 0
         self.step_s = 0.1  # EMA of a decode step's compute seconds (reload planning)
+        self.draft_s: float | None = None  # EMAs of steps without / with a verifying row (the horizon's costs)
+        self.verify_s: float | None = None
         self.rings = ReservationRings(cfg.lookahead)
         self.estimates: dict[str, AcceptanceEstimate] = {}
         self.plans: dict[str, tuple[int, int, int]] = {}  # request id -> (reload start step, verify step, ring)
@@ -168,10 +170,19 @@ class Scheduler:
             s = self.reload_seconds(seq) / self.step_s
             rows = max(1, len(self.running))
             link_min = math.ceil(rows * s) if self.cfg.link_bytes_per_s else 0
-            x = choose_horizon(est.alpha, self.cfg.k_min, self.cfg.k_max, self.cfg.verify_cost, s, link_min)
+            x = choose_horizon(est.alpha, self.cfg.k_min, self.cfg.k_max, self.verify_cost(rows), s, link_min)
         seq.horizon = max(1, min(x, cap))
         seq.verify_step = None
         self.plan(seq)
+
+    def verify_cost(self, rows: int) -> float:
+        """A verification's cost in draft steps of its row: the step it does not draft in (cfg.verify_cost), plus
+        what its [pending, drafts] over the full KV add to that step, which every one of the batch's rows waits
+        for (measured: verify steps against draft steps). Over a horizon x a batch of B rows then emits
+        B E(x) tokens per (x + 1) t_draft + B extra: E(x) / (x + verify_cost) is what to maximize."""
+        if self.draft_s is None or self.verify_s is None or self.draft_s <= 0:
+            return self.cfg.verify_cost
+        return self.cfg.verify_cost + rows * max(0.0, self.verify_s - self.draft_s) / self.draft_s
 
     def plan(self, seq: Sequence) -> None:
         """Reserve the earliest verify step after the horizon whose reload fits the link and memory rings: with
@@ -291,6 +302,10 @@ class Scheduler:
         if batch.prefill is not None:
             return [self._prefilled(batch.prefill, result, now)]
         self.step_s = 0.8 * self.step_s + 0.2 * compute_s if self.step > 0 else compute_s
+        if self.vericache:
+            name = "verify_s" if any(seg.kind == "verify" for seg in batch.segments) else "draft_s"
+            old = getattr(self, name)
+            setattr(self, name, compute_s if old is None else 0.8 * old + 0.2 * compute_s)
         self.step += 1
         self.rings.advance(self.step)
         emitted = []
