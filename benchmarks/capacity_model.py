@@ -123,7 +123,6 @@ def predict_serving(
     compression: float,
     alpha: float,
     k_max: int = 64,
-    staging_layers: int = 2,
     max_rows: int = 256,
 ) -> ServingPrediction:
     """The model on cost_model.py's Hardware / Model (tensor parallel: m.tp devices, link_bytes_per_s in all)."""

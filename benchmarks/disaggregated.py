@@ -107,15 +107,9 @@ class Cluster:
         return procs.node_env(self.store, {"VERICACHE_VERIFIER_TOKEN": self.token, **self.keys})
 
     def cores(self, name: str) -> list[int] | None:
-        """--pin: the verifier on the last core, the drafters on the rest (in every method alike)."""
-        from vericache_connector.demo import procs
+        from disaggregated_vllm import pin_cores
 
-        if not self.args.pin:
-            return None
-        try:
-            return procs.pinned_cores("verifier" if name == "verifier" else "node")
-        except ValueError as e:
-            raise SystemExit(f"--pin: {e}") from None
+        return pin_cores(self.args.pin, name)
 
     def _start(self, argv: list[str], name: str):
         from vericache_connector.demo import procs

@@ -20,9 +20,7 @@ and the router on the others; each vLLM server's threads bound with VLLM_CPU_OMP
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import os
 import re
 import time
 import urllib.request
@@ -32,18 +30,16 @@ VERIFY = "vericache_connector.integration.vllm.verify_route.VerifyRoute"
 GUARD = "vericache_connector.integration.vllm.draft_role.RouterOnly"
 
 
-@contextlib.contextmanager
-def pinned(cores: list[int] | None):
-    """Pin the calling thread while a server forks: it and every process it starts stay on `cores`."""
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
+def pin_cores(pin: bool, role: str) -> list[int] | None:
+    """--pin: the verifier on the last core, every other process on the rest (in every method alike)."""
+    from vericache_connector.demo import procs
+
+    if not pin:
+        return None
     try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
+        return procs.pinned_cores("verifier" if role == "verifier" else "node")
+    except ValueError as e:
+        raise SystemExit(f"--pin: {e}") from None
 
 
 def core_list(cores: list[int]) -> str:
@@ -65,19 +61,14 @@ class VLLMCluster:
         )
 
     def cores(self, role: str) -> list[int] | None:
-        from vericache_connector.demo import procs
-
-        if not self.args.pin:
-            return None
-        try:
-            return procs.pinned_cores("verifier" if role == "verifier" else "node")
-        except ValueError as e:
-            raise SystemExit(f"--pin: {e}") from None
+        return pin_cores(self.args.pin, role)
 
     def rate(self, gbit: float) -> float:
         return gbit * 1e9 / 8 * self.scale
 
     def _server(self, name: str, cores, bandwidth: float, **kw):
+        from vericache_connector.demo import procs
+
         from vllm_server import ServerConfig, VLLMServer
 
         env = {
@@ -98,7 +89,7 @@ class VLLMCluster:
             **kw,
         )
         srv = VLLMServer(cfg, log_path=str(self.logs / f"{name}.log"))
-        with pinned(cores):
+        with procs.affinity(cores):  # the server (and every process it starts) stays on `cores`
             srv.__enter__()
         return srv
 

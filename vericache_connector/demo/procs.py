@@ -40,7 +40,7 @@ def pinned_cores(role: str, cores: list[int] | None = None) -> list[int]:
 
 
 @contextmanager
-def _affinity(cores: list[int] | None):
+def affinity(cores: list[int] | None):
     """Pin the calling thread while it forks: the child starts (and every thread it makes stays) on `cores`."""
     if not cores or not hasattr(os, "sched_setaffinity"):
         yield
@@ -87,7 +87,7 @@ class Proc:
         self.argv = [sys.executable, "-m", "vericache_connector", *argv]
         self.url: str | None = None
         self._log = open(log_path, "w")
-        with _affinity(cores):
+        with affinity(cores):
             self.proc = subprocess.Popen(
                 self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
