@@ -404,6 +404,7 @@ def main(argv=None) -> int:
     if args.backend == "vllm" and "local" in args.methods:
         raise SystemExit("--methods local is our engine's (--backend engine): a vLLM node has no such mode")
     t_start = time.perf_counter()
+    load_before = os.getloadavg()  # 1/5/15 min: a busy neighbour on 2 cores changes the ratios themselves
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     texts = dict(list(load_prompts().items())[: args.prompts])
     prompts = {n: tok(t, add_special_tokens=False).input_ids[: args.prompt_tokens] for n, t in texts.items()}
@@ -463,7 +464,8 @@ def main(argv=None) -> int:
         "time after the fetch (suffix prefill + decoding). == full-KV: outputs identical to the full-kv output "
         "of the same prompt (plain full-KV greedy"
         + ("; --backend vllm: the verifier server's own greedy output)." if args.backend == "vllm" else ")."),
-        f"Command: `{cmd}`  Wall time: {wall:.0f} s",
+        f"Command: `{cmd}`  Wall time: {wall:.0f} s. Load average {load_before[0]:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after (the servers' own load included).",
     ]
     table = tables(summary, rates, header)
     (out / "table.md").write_text(table + "\n")
@@ -472,6 +474,7 @@ def main(argv=None) -> int:
         backend=args.backend,
         command=cmd,
         wall_s=wall,
+        load_avg={"before": load_before, "after": os.getloadavg()},
         links_emulated=True,
         bandwidth_scale=cluster.scale,
         verifier_load_mb_per_s=mean(loads) and mean(loads) / 1e6,
