@@ -23,6 +23,7 @@ _MODULES = {
     "press": "press",  # any kvpress press (optional dependency kvpress; press.py)
     "kvquant": "kvquant",
     "rotatekv": "rotatekv",
+    "split16": "split16",
 }
 
 PRESETS = {
@@ -42,12 +43,14 @@ PRESETS = {
 
 # Presets get_compressor also knows, kept out of PRESETS (which tests and benchmark grids run on any
 # PrefixKV): press presets need the prompt's token ids and kvpress, kvquant the RoPE frequencies
-# (PrefixKV.token_ids / inv_freq, which VeriCacheEngine.prefill fills).
+# (PrefixKV.token_ids / inv_freq, which VeriCacheEngine.prefill fills); split16 only splits float32 KV.
 EXTRA_PRESETS = {
     "kvquant4": "kvquant:bits=4",
     "kvquant2": "kvquant:bits=2",
     "rotatekv4": "rotatekv:bits=4",
     "rotatekv2": "rotatekv:bits=2",
+    # lossless split of float32 KV (split16.py): its compressed copy is half of the full copy's bytes
+    "split16": "split16",
     # kvpress presses (press.py); KVzip at 0.2 of the tokens is the paper's long-context drafter
     "kvzip-5x": "press:kvzip:ratio=5",
     "kvzip-4x": "press:kvzip:ratio=4",
@@ -65,7 +68,15 @@ EXTRA_PRESETS = {
 # writers (the vLLM connector, the LMCache adapter, the remote cache) have the keys and values only.
 GROUPS = {
     "token dropping (keep 1/N of the positions per head)": ("streamingllm", "snapkv", "tova", "knorm"),
-    "quantization (every position, fewer bits)": ("kivi", "int8", "fp8", "turboquant", "kvquant", "rotatekv"),
+    "quantization (every position, fewer bits)": (
+        "kivi",
+        "int8",
+        "fp8",
+        "turboquant",
+        "kvquant",
+        "rotatekv",
+        "split16",
+    ),
     "kvpress presses (NVIDIA kvpress run on the checkpoint as a transformers model; slow on a CPU)": ("press",),
 }
 NEEDS = {

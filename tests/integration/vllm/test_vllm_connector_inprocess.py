@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from storage_backends import DualCopyStore, Manifest  # noqa: E402
-from vericache_connector.compressors import get_compressor  # noqa: E402
+from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
 from vericache_connector.integration.vllm.config import PROPOSER_CLASS  # noqa: E402
 from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
@@ -138,19 +138,20 @@ def test_short_prompt_is_neither_looked_up_nor_saved(model_dir, store_url):
 NUM_BLOCKS = 10
 
 
-def worker(model_dir, url, proposer: bool = False):
+def worker(model_dir, url, proposer: bool = False, compressor: str = "int8", dtype=torch.float32):
     from vericache_connector.vllm_connector import VeriCacheConnector
 
     cfg = vllm_config(model_dir, url)
     if proposer:
         cfg = create_vllm_config(
             model_dir,
-            {"store": url, "compressor": "int8"},
+            {"store": url, "compressor": compressor},
             speculative={"method": "custom_class", "model": PROPOSER_CLASS},
         )
     conn = VeriCacheConnector(cfg, KVConnectorRole.WORKER, None)
     caches = {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
+        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM, dtype=dtype)
+        for i in range(LAYERS)
     }
     conn.register_kv_caches(caches)
     views = [kv_views(t, HEADS, DIM) for t in caches.values()]
@@ -226,6 +227,83 @@ def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
     finally:
         plain.shutdown()
         ours.shutdown()
+
+
+class RecordingDrafter:
+    """Stands in for the proposer on the handoff: records the compressed copies it is given to pre-draft."""
+
+    def __init__(self):
+        self.got = []
+
+    def worth_predraft(self, compressed_s, max_new) -> bool:
+        return True
+
+    def predraft(self, prompt, prefix_len, compressed, loaded) -> None:
+        self.got.append((prefix_len, compressed, loaded.is_set()))
+
+
+def save_blocks(conn, views, kv, prefix, block_ids) -> None:
+    for (kview, vview), layer in zip(views, kv):
+        scatter_tokens(kview, torch.tensor(block_ids), layer["k"])
+        scatter_tokens(vview, torch.tensor(block_ids), layer["v"])
+    conn.bind_connector_metadata(VeriCacheMetadata(saves=[SaveSpec("a", prefix, block_ids)]))
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+
+
+def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(model_dir, store_url, monkeypatch):
+    """With split16 and the proposer, a load fetches the compressed copy (the upper halves: the pre-draft
+    starts on them) and then the lower halves, never the full copy, and the blocks hold the saved KV bit
+    for bit. Without the lower halves (or with ones of other KV) the full copy is streamed instead."""
+    from vericache_connector.compressors.split16 import COMPLEMENT
+    from vericache_connector.integration.vllm import worker as worker_module
+
+    conn, views = worker(model_dir, store_url, proposer=True, compressor="split16")
+    drafter = RecordingDrafter()
+    conn.draft_handoff.attach(drafter)
+    spec = get_compressor("split16").spec
+    try:
+        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=5)
+        save_blocks(conn, views, kv, PROMPT[:STORED], [0, 1, 2, 3])
+        store, call = conn.worker.client.store, conn.worker.client.call
+        wait_for(lambda: call(store.has_compressed(PROMPT[:STORED], spec + COMPLEMENT)))
+        streamed = []
+
+        async def no_full_copy(*args, **kwargs):
+            streamed.append(args[1])
+            raise AssertionError("the split load streamed the full copy")
+
+        monkeypatch.setattr(worker_module, "stream_full_copy", no_full_copy)
+        for rid, blocks in (("b", [4, 5, 6, 7]), ("c", [6, 7, 8, 9])):
+            conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec(rid, PROMPT[:STORED], blocks, 0, PROMPT)]))
+            conn.start_load_kv(None)
+            assert wait_for(lambda: conn.get_finished(set())[1]) == {rid}
+            assert not conn.get_block_ids_with_load_errors() and not streamed
+            for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, blocks, STORED)):
+                assert torch.equal(k0.view(torch.int32), k1.view(torch.int32)) and torch.equal(v0, v1)
+        assert [(n, c.spec, done) for n, c, done in drafter.got] == [(STORED, spec, False)] * 2  # before the load
+        k_hi, _ = drafter.got[0][1].layer_kv(2, torch.float32)
+        assert torch.equal(k_hi, (kv[2]["k"].view(torch.int32) & ~0xFFFF).view(torch.float32))
+        # the lower halves of other KV under this prefix: refused (digest), the full copy streamed instead
+        monkeypatch.undo()
+        other = get_compressor("split16")
+        wrong = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=6)
+        pre = PrefixKV([x["k"] for x in wrong], [x["v"] for x in wrong])
+        lo = other.complement(pre, other.compress(pre))
+        call(store.put_prefix(PROMPT[:STORED], None, {lo.spec: lo.to_payload()}, overwrite=True))
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("d", PROMPT[:STORED], [6, 7, 8, 9], 0, PROMPT)]))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"d"}
+        assert not conn.get_block_ids_with_load_errors()
+        for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, [6, 7, 8, 9], STORED)):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    finally:
+        conn.shutdown()
+
+
+def test_split16_refuses_a_kv_cache_that_is_not_float32(model_dir, store_url):
+    with pytest.raises(ValueError, match="splits float32 KV"):
+        worker(model_dir, store_url, proposer=True, compressor="split16", dtype=torch.bfloat16)
 
 
 async def _corrupt(url: str, prefix: list[int], chunk: int) -> None:

@@ -18,6 +18,8 @@ token for token; sampling: the target distribution). The proposer only decides w
    (vLLM's bound on drafts per request and step), the rest in the following steps while vLLM accepts them.
    The compressed copy crosses the store link too (the full copy lands later by its transfer time): the
    connector fetches it only where the pre-drafts are expected to save more (DraftPacer.worth_predraft).
+   With split16 (float32 KV) it costs nothing: the compressed copy is the upper half of every value's
+   bits and the connector then fetches only the lower half (compressors/split16.py, worker.py).
 2. N-GRAM matches (vLLM's own prompt-lookup matcher): free to make, proposed wherever the prompt or the
    output so far predicts a run, as vLLM's `ngram` method would (a longer one merged with the pre-drafts when
    they agree). Drafts already made are proposed as many as pay for their rows in the verify forward.

@@ -5,7 +5,10 @@ SAVE (wait_for_save): the whole chunks of a computed prompt are copied out of it
 on the store loop: the full copy per chunk and one compressed copy of the whole stored prefix
 (payloads first, manifests last). LOAD (start_load_kv): compressed copy first (handed to the proposer,
 which drafts at once), while the full copy streams layer by layer into the request's blocks
-(remote.full_copy, the same loop the engine's prefix cache uses). A compressed copy that does not fit
+(remote.full_copy, the same loop the engine's prefix cache uses). With the lossless split compressor
+(compressors/split16.py) and the proposer running, the compressed copy IS the upper half of the full
+copy: the load fetches it, posts it, then fetches the lower half and joins the two (the full copy's
+bytes cross the link once; the pre-drafts start halfway). A compressed copy that does not fit
 the model or its own meta (Compressor.validate) is not handed over: no drafts, the output is vLLM's
 anyway. A failed load reports its blocks through get_block_ids_with_load_errors and vLLM recomputes them.
 """
@@ -20,6 +23,7 @@ import torch
 from vllm.logger import init_logger
 
 from ...compressors import LayeredKV, PrefixKV, get_compressor
+from ...compressors.split16 import COMPLEMENT, Split16Compressor, digest
 from ...remote.config import RemoteCacheConfig
 from ...remote.full_copy import stream_full_copy
 from ...remote.store_client import StoreClient
@@ -44,6 +48,7 @@ class VeriCacheConnectorWorker:
         self.cfg, self.block_size, self.client = cfg, block_size, client
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.compressor = get_compressor(cfg.compressor)
+        self.split = isinstance(self.compressor, Split16Compressor)  # the compressed copy is half of the full
         self.handoff = handoff
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = threading.Lock()
@@ -62,6 +67,11 @@ class VeriCacheConnectorWorker:
                     f"VeriCacheConnector reads vLLM's CPU KV cache in the 'vec' layout; this "
                     f"machine uses {isa!r} (dtype {first.dtype}, block size {self.block_size})"
                 )
+        if self.split and first.dtype != torch.float32:
+            raise ValueError(
+                f"compressor {self.cfg.compressor!r} splits float32 KV in two halves; this server's KV cache is "
+                f"{first.dtype} (its upper half would be the whole KV): use int8, fp8 or kivi4"
+            )
         named = sorted((layer_index(n, i), t) for i, (n, t) in enumerate(kv_caches.items()))
         self._views = [kv_views(t, self.num_kv_heads, self.head_dim) for _, t in named]
 
@@ -94,11 +104,13 @@ class VeriCacheConnectorWorker:
         if self.handoff is not None:
             self.handoff.post(spec.prefix, comp)
         layers = [{"k": k, "v": v} for k, v in zip(keys, values)]
+        copies = {comp.spec: comp.to_payload()}
+        if self.split:  # the lower halves: with the compressed copy, the full KV (the proposer's load path)
+            lo = self.compressor.complement(PrefixKV(keys, values), comp)
+            copies[lo.spec] = lo.to_payload()
         try:
             res = self.client.call(
-                self.client.store.put_prefix(
-                    spec.prefix, layers, {comp.spec: comp.to_payload()}, overwrite=spec.overwrite
-                ),
+                self.client.store.put_prefix(spec.prefix, layers, copies, overwrite=spec.overwrite),
                 timeout=max(SAVE_TIMEOUT_S, self.cfg.timeout_s),
             )
             logger.info(
@@ -129,19 +141,21 @@ class VeriCacheConnectorWorker:
             scatter_tokens(vv, ids, v[:, lo:n])
 
         try:
-            await stream_full_copy(
-                self.client.store,
-                spec.prefix,
-                len(self._views),
-                self.cfg.timeout_s,
-                put,
-                shape=(self.num_kv_heads, n, self.head_dim),
-            )
+            if not (self._split_load and await self._load_split(spec, put, loaded, when, t0)):
+                await stream_full_copy(
+                    self.client.store,
+                    spec.prefix,
+                    len(self._views),
+                    self.cfg.timeout_s,
+                    put,
+                    shape=(self.num_kv_heads, n, self.head_dim),
+                )
             logger.info(
-                "hit %s: %d tokens loaded (compressed copy after %s, full after %.2fs)",
+                "hit %s: %d tokens loaded (compressed copy after %s, %sfull after %.2fs)",
                 spec.req_id,
                 n - spec.start,
                 f"{when['compressed']:.2f}s" if "compressed" in when else "-",
+                f"its lower halves after {when['lower halves']:.2f}s, " if "lower halves" in when else "",
                 time.perf_counter() - t0,
             )
         except BaseException as e:  # noqa: BLE001 - vLLM recomputes the blocks
@@ -156,11 +170,51 @@ class VeriCacheConnectorWorker:
                 self._done_loading.add(spec.req_id)
             await asyncio.gather(drafting, return_exceptions=True)
 
+    @property
+    def _split_load(self) -> bool:
+        """Load split16's halves (hi first, for the proposer) instead of streaming the full copy."""
+        return self.split and self.handoff is not None and self.handoff.drafter is not None
+
+    async def _load_split(self, spec: LoadSpec, put, loaded: threading.Event, when: dict, t0: float) -> bool:
+        """split16 with the proposer: the upper halves (posted: the pre-draft starts on them), then the lower
+        halves, joined into the full KV bit for bit and put into the blocks. False where a half is missing or
+        does not fit (logged): the caller streams the full copy instead, so the output never depends on it."""
+        n, store, wait = len(spec.prefix), self.client.store, self.cfg.timeout_s
+        lo_task = None
+        try:
+            got = await asyncio.wait_for(store.get_compressed(spec.prefix, self.compressor.spec), wait)
+            if got is None:
+                raise LookupError("no compressed copy")
+            hi = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
+            self.compressor.validate(hi, n, len(self._views), self.num_kv_heads, self.head_dim)
+            when["compressed"] = time.perf_counter() - t0
+            hi_digest = asyncio.ensure_future(asyncio.to_thread(digest, hi.layers))  # while the rest arrives
+            lo_task = asyncio.ensure_future(
+                asyncio.wait_for(store.get_compressed(spec.prefix, hi.spec + COMPLEMENT), wait)
+            )
+            await asyncio.to_thread(self.handoff.post, spec.prefix, hi, spec.prompt, loaded)
+            got = await lo_task
+            if got is None:
+                raise LookupError("no lower halves stored")
+            when["lower halves"] = time.perf_counter() - t0
+            lo = LayeredKV.from_payload(*got)
+            layers = await asyncio.to_thread(self.compressor.full_layers, hi, lo, await hi_digest)
+            await asyncio.to_thread(lambda: [put(i, k, v) for i, (k, v) in enumerate(layers)])
+            return True
+        except Exception as e:  # noqa: BLE001 - the full copy is streamed instead
+            logger.warning(
+                "split load of %s: %s: %s: streaming the full copy instead", spec.req_id, type(e).__name__, e
+            )
+            return False
+        finally:
+            if lo_task is not None and not lo_task.done():
+                lo_task.cancel()
+
     async def _post_compressed(self, spec: LoadSpec, loaded: threading.Event, when: dict, t0: float) -> None:
         """Fetch the compressed copy and hand it to the proposer, which pre-drafts until `loaded`. A missing
         or broken copy only costs the drafts: vLLM decodes without them."""
-        if self.handoff is None:
-            return
+        if self.handoff is None or self._split_load:
+            return  # none wanted, or _load_split fetches it (as half of the full copy)
         n = len(spec.prefix)
         drafter = self.handoff.drafter
         expected_s = None if self._compressed_s_per_token is None else self._compressed_s_per_token * n
