@@ -250,3 +250,12 @@ def test_the_compressed_copy_is_fetched_only_where_its_drafts_save_more_than_it_
     assert pacer.worth_predraft(0.3, 64)  # the copy delays the full copy by 0.3 s: fetch
     assert not pacer.worth_predraft(1.0, 64)  # by 1 s: do not
     assert not pacer.worth_predraft(0.3, 3)  # 2 tokens left to save at most: do not
+
+
+def test_a_split16_pre_draft_runs_only_where_the_rest_of_the_load_leaves_room_for_draft_steps():
+    pacer = DraftPacer(k_max=32)
+    assert pacer.worth_predraft_during(0.01)  # nothing measured: draft and learn
+    pacer._plain.extend([0.1] * 5)  # vLLM steps of 100 ms, no draft step measured yet
+    assert pacer.worth_predraft_during(0.5) and not pacer.worth_predraft_during(0.2)
+    pacer.drafted(0.05)  # draft steps of 50 ms: room for WINDOW_STEPS of them in 0.2 s
+    assert pacer.worth_predraft_during(0.2) and not pacer.worth_predraft_during(0.1)

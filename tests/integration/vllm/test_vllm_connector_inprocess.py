@@ -238,6 +238,9 @@ class RecordingDrafter:
     def worth_predraft(self, compressed_s, max_new) -> bool:
         return True
 
+    def worth_predraft_during(self, seconds) -> bool:
+        return True
+
     def predraft(self, prompt, prefix_len, compressed, loaded) -> None:
         self.got.append((prefix_len, compressed, loaded.is_set()))
 

@@ -18,7 +18,10 @@ x* = argmax E(x) / (t_v + c x) of them are proposed (none when even one does not
 The pre-draft itself has a price on a slow store link: the compressed copy crosses the link too, so the full
 copy lands later by the compressed copy's transfer time T_c. worth_predraft fetches it only where the drafts
 are expected to save more: (tokens vLLM accepted from pre-drafts per request, measured; at most the request's
-max_tokens - 1) x t_v > (1 + MARGIN) T_c.
+max_tokens - 1) x t_v > (1 + MARGIN) T_c. With split16 the compressed copy is half of the full copy and
+costs nothing on the link; the pre-draft then runs only where the rest of the load (about as long as the
+compressed copy took) leaves room for WINDOW_STEPS draft steps: on a fast store its draft steps would only
+take the cores from the load.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ PER_DRAFT_PRIOR = {"cpu": 0.1, "cuda": 0.01}
 FREE_DEFAULT = 8  # drafts already made proposed per step before vLLM's step time is measured
 SAMPLES = 16  # step times kept per measurement (medians: a prefill or an idle gap is an outlier)
 BUSY_GAP_S = 0.1  # a target forward ended this recently: more are coming (vLLM is serving requests)
+WINDOW_STEPS = 3  # a pre-draft that costs no link time still needs room for this many draft steps
 
 
 class TargetGate:
@@ -177,6 +181,11 @@ class DraftPacer:
             if rate > best_rate:
                 best_x, best_rate = x, rate
         return best_x
+
+    def worth_predraft_during(self, seconds: float) -> bool:
+        """Pre-draft while the rest of the KV arrives in about `seconds` (no link cost: split16)?"""
+        t = self.draft_s or self.step_s
+        return t is None or seconds > WINDOW_STEPS * t
 
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
         """Fetch the compressed copy for pre-drafts? compressed_s: its expected transfer time (None: unknown)."""

@@ -127,6 +127,10 @@ class CompressedKVProposer:
         """The connector asks before it fetches a compressed copy for a pre-draft (pacing.worth_predraft)."""
         return self.draft is not None and self.pacer.worth_predraft(compressed_s, max_new)
 
+    def worth_predraft_during(self, seconds: float) -> bool:
+        """split16's load asks, once the upper halves are in: is the rest's transfer long enough to draft in?"""
+        return self.draft is not None and self.pacer.worth_predraft_during(seconds)
+
     def predraft(
         self, prompt: list[int], prefix_len: int, compressed: CompressedKV, loaded: threading.Event | None
     ) -> None:

@@ -188,15 +188,20 @@ class VeriCacheConnectorWorker:
             hi = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
             self.compressor.validate(hi, n, len(self._views), self.num_kv_heads, self.head_dim)
             when["compressed"] = time.perf_counter() - t0
+            drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])  # the rest takes as long
             hi_digest = asyncio.ensure_future(asyncio.to_thread(digest, hi.layers))  # while the rest arrives
             lo_task = asyncio.ensure_future(
                 asyncio.wait_for(store.get_compressed(spec.prefix, hi.spec + COMPLEMENT), wait)
             )
-            await asyncio.to_thread(self.handoff.post, spec.prefix, hi, spec.prompt, loaded)
+            if drafting:
+                await asyncio.to_thread(self.handoff.post, spec.prefix, hi, spec.prompt, loaded)
+            else:  # no pre-draft; the proposer may still draft on it once the request runs
+                self.handoff.post(spec.prefix, hi)
             got = await lo_task
             if got is None:
                 raise LookupError("no lower halves stored")
             when["lower halves"] = time.perf_counter() - t0
+            loaded.set()  # every byte is here: the pre-draft stops, the join and vLLM's next step get the cores
             lo = LayeredKV.from_payload(*got)
             layers = await asyncio.to_thread(self.compressor.full_layers, hi, lo, await hi_digest)
             await asyncio.to_thread(lambda: [put(i, k, v) for i, (k, v) in enumerate(layers)])
