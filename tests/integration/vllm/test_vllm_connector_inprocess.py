@@ -233,13 +233,13 @@ class RecordingDrafter:
     """Stands in for the proposer on the handoff: records the compressed copies it is given to pre-draft."""
 
     def __init__(self):
-        self.got = []
+        self.got, self.window = [], True
 
     def worth_predraft(self, compressed_s, max_new) -> bool:
         return True
 
     def worth_predraft_during(self, seconds) -> bool:
-        return True
+        return self.window
 
     def predraft(self, prompt, prefix_len, compressed, loaded) -> None:
         self.got.append((prefix_len, compressed, loaded.is_set()))
@@ -300,6 +300,17 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
         assert not conn.get_block_ids_with_load_errors()
         for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, [6, 7, 8, 9], STORED)):
             assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        # a fast store (no room for draft steps): the full copy is streamed, nothing pre-drafted, and the
+        # proposer still gets the upper halves, cut from the loaded KV (no compressed copy fetched)
+        drafter.window, predrafts = False, len(drafter.got)
+        conn.draft_handoff.prefixes.clear()
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("e", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)]))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"e"}
+        assert len(drafter.got) == predrafts and not conn.get_block_ids_with_load_errors()
+        n, comp = wait_for(lambda: conn.draft_handoff.find(PROMPT))
+        assert n == STORED and comp.spec == spec
+        assert torch.equal(comp.layer_kv(2, torch.float32)[0], k_hi)
     finally:
         conn.shutdown()
 

@@ -133,15 +133,22 @@ class VeriCacheConnectorWorker:
         ids = torch.tensor(spec.block_ids[first:last])
         lo = first * self.block_size
         loaded, when = threading.Event(), {}
-        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0))
+        split = self._split_load(n)
+        # split16 without a pre-draft (a fast store): no compressed fetch; its copy is cut from the full KV below
+        own_copy = self.split and not split and self.handoff is not None and self.handoff.drafter is not None
+        fetch = not split and not own_copy
+        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0) if fetch else asyncio.sleep(0))
+        streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def put(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             kv, vv = self._views[layer]
             scatter_tokens(kv, ids, k[:, lo:n])
             scatter_tokens(vv, ids, v[:, lo:n])
+            if own_copy:
+                streamed[layer] = (k, v)
 
         try:
-            if not (self._split_load and await self._load_split(spec, put, loaded, when, t0)):
+            if not (split and await self._load_split(spec, put, loaded, when, t0)):
                 await stream_full_copy(
                     self.client.store,
                     spec.prefix,
@@ -150,6 +157,12 @@ class VeriCacheConnectorWorker:
                     put,
                     shape=(self.num_kv_heads, n, self.head_dim),
                 )
+                if self.split:  # the upper halves would have taken half as long: the next load's decision
+                    self._learn_transfer((time.perf_counter() - t0) / 2 / n)
+                if own_copy and len(streamed) == len(self._views):  # for the proposer's drafts once vLLM runs
+                    kv = [streamed[i] for i in range(len(self._views))]
+                    pre = PrefixKV([k for k, _ in kv], [v for _, v in kv])
+                    self.handoff.post(spec.prefix, await asyncio.to_thread(self.compressor.compress, pre))
             logger.info(
                 "hit %s: %d tokens loaded (compressed copy after %s, %sfull after %.2fs)",
                 spec.req_id,
@@ -170,10 +183,21 @@ class VeriCacheConnectorWorker:
                 self._done_loading.add(spec.req_id)
             await asyncio.gather(drafting, return_exceptions=True)
 
-    @property
-    def _split_load(self) -> bool:
-        """Load split16's halves (hi first, for the proposer) instead of streaming the full copy."""
-        return self.split and self.handoff is not None and self.handoff.drafter is not None
+    def _split_load(self, n: int) -> bool:
+        """Load split16's halves (hi first, for the proposer's pre-draft) instead of streaming the full copy:
+        where the lower halves' transfer (as long as the upper halves', measured on earlier loads) leaves the
+        pre-draft room for a few draft steps. On a fast store the split's sequential halves, their checks and
+        the join would only delay the first token."""
+        drafter = None if self.handoff is None else self.handoff.drafter
+        if not self.split or drafter is None:
+            return False
+        per_token = self._compressed_s_per_token
+        return per_token is None or drafter.worth_predraft_during(per_token * n)
+
+    def _learn_transfer(self, per_token: float) -> None:
+        """A compressed copy's transfer time per token (EMA): what the next fetch decision weighs."""
+        old = self._compressed_s_per_token
+        self._compressed_s_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
 
     async def _load_split(self, spec: LoadSpec, put, loaded: threading.Event, when: dict, t0: float) -> bool:
         """split16 with the proposer: the upper halves (posted: the pre-draft starts on them), then the lower
@@ -183,11 +207,12 @@ class VeriCacheConnectorWorker:
         lo_task = None
         try:
             got = await asyncio.wait_for(store.get_compressed(spec.prefix, self.compressor.spec), wait)
-            if got is None:
-                raise LookupError("no compressed copy")
+            if got is None:  # stored chunks of a longer prefix, copies for that one only: no drafts, no warning
+                return False
             hi = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
             self.compressor.validate(hi, n, len(self._views), self.num_kv_heads, self.head_dim)
             when["compressed"] = time.perf_counter() - t0
+            self._learn_transfer(when["compressed"] / n)
             drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])  # the rest takes as long
             hi_digest = asyncio.ensure_future(asyncio.to_thread(digest, hi.layers))  # while the rest arrives
             lo_task = asyncio.ensure_future(
@@ -218,8 +243,8 @@ class VeriCacheConnectorWorker:
     async def _post_compressed(self, spec: LoadSpec, loaded: threading.Event, when: dict, t0: float) -> None:
         """Fetch the compressed copy and hand it to the proposer, which pre-drafts until `loaded`. A missing
         or broken copy only costs the drafts: vLLM decodes without them."""
-        if self.handoff is None or self._split_load:
-            return  # none wanted, or _load_split fetches it (as half of the full copy)
+        if self.handoff is None:
+            return
         n = len(spec.prefix)
         drafter = self.handoff.drafter
         expected_s = None if self._compressed_s_per_token is None else self._compressed_s_per_token * n
@@ -239,9 +264,7 @@ class VeriCacheConnectorWorker:
                 comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
                 self.compressor.validate(comp, len(spec.prefix), len(self._views), self.num_kv_heads, self.head_dim)
                 when["compressed"] = time.perf_counter() - t0
-                per_token = when["compressed"] / n  # its transfer time (the next fetch decision weighs it)
-                old = self._compressed_s_per_token
-                self._compressed_s_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
+                self._learn_transfer(when["compressed"] / n)  # the next fetch decision weighs it
                 await asyncio.to_thread(self.handoff.post, spec.prefix, comp, spec.prompt, loaded)
         except Exception as e:  # noqa: BLE001
             logger.warning(
