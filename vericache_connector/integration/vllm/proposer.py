@@ -81,6 +81,7 @@ class CompressedKVProposer:
         self._ngram_last: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
         self._next_id = 0
         self._lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
+        self._building: set[tuple[int, int]] = set()  # (prefix length, hash) of draft caches being built
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.handoff: DraftHandoff | None = None
@@ -325,8 +326,24 @@ class CompressedKVProposer:
         found = None if handoff is None or self.draft is None else handoff.find(row)
         if found is None:
             return None
-        chain = self._new_group(row, found[0], found[1])
-        return None if chain is None else chain.group
+        # A copy posted without a pre-draft (a fast load): its draft cache is built on a thread of its own,
+        # not in this call, which vLLM's step (and the request's first token) waits for; drafts from the next
+        # step on.
+        key = (found[0], hash(tuple(row[: found[0]])))
+        with self._lock:
+            if key in self._building:
+                return None
+            self._building.add(key)
+
+        def build():
+            try:
+                self._new_group(row, found[0], found[1])
+            finally:
+                with self._lock:
+                    self._building.discard(key)
+
+        threading.Thread(target=build, name="vericache-draft-cache", daemon=True).start()
+        return None
 
     def _new_group(self, tokens: list[int], prefix_len: int, compressed: CompressedKV) -> Chain | None:
         room = min(self.max_len - prefix_len, len(tokens) - prefix_len + CACHE_ROOM)

@@ -159,10 +159,6 @@ class VeriCacheConnectorWorker:
                 )
                 if self.split:  # the upper halves would have taken half as long: the next load's decision
                     self._learn_transfer((time.perf_counter() - t0) / 2 / n)
-                if own_copy and len(streamed) == len(self._views):  # for the proposer's drafts once vLLM runs
-                    kv = [streamed[i] for i in range(len(self._views))]
-                    pre = PrefixKV([k for k, _ in kv], [v for _, v in kv])
-                    self.handoff.post(spec.prefix, await asyncio.to_thread(self.compressor.compress, pre))
             logger.info(
                 "hit %s: %d tokens loaded (compressed copy after %s, %sfull after %.2fs)",
                 spec.req_id,
@@ -182,6 +178,10 @@ class VeriCacheConnectorWorker:
             with self._lock:
                 self._done_loading.add(spec.req_id)
             await asyncio.gather(drafting, return_exceptions=True)
+        if own_copy and len(streamed) == len(self._views):  # after the request was reported loaded: for the
+            kv = [streamed[i] for i in range(len(self._views))]  # proposer's drafts once vLLM runs it
+            pre = PrefixKV([k for k, _ in kv], [v for _, v in kv])
+            self.handoff.post(spec.prefix, await asyncio.to_thread(self.compressor.compress, pre))
 
     def _split_load(self, n: int) -> bool:
         """Load split16's halves (hi first, for the proposer's pre-draft) instead of streaming the full copy:
