@@ -484,9 +484,9 @@ def test_logging_config_prints_the_connectors_lines(name):
 
 
 def test_pods_run_the_connector_alone_by_default():
-    """Every vLLM container runs the connector without the proposer (its store is in the cluster, a fast link,
-    where the proposer drafts nothing: docs/vllm.md "Measured: where the proposer pays") and recomputes on a
-    failed load."""
+    """Every vLLM container runs the connector without the proposer (the pods keep the checkpoint's dtype and
+    kivi4, with which it pays only across a slow link; split16, which pays at every link measured, needs a
+    float32 KV cache: docs/vllm.md "Measured: where the proposer pays") and recomputes on a failed load."""
     seen = 0
     for obj in all_objects():
         if obj["kind"] != "Deployment":

@@ -148,7 +148,8 @@ def test_a_shared_cache_survives_threads_and_a_store_restart_under_heap_checks(t
             summary = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
             assert summary["requests"] == THREADS * ROUNDS * PROMPTS and summary["wrong"] == [], out
             paths = Counter(summary["paths"])
-            assert paths["miss"] + paths["fallback-recompute"] > PROMPTS, paths  # the restart emptied the store
+            # the restart emptied the store: a later lookup missed, or a hit's copy was gone when fetched
+            assert paths["miss"] + paths["fallback-recompute"] + paths["hit-recompute"] > PROMPTS, paths
             assert redis.password not in out
     finally:
         redis.stop()
