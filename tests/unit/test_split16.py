@@ -53,9 +53,9 @@ def test_upper_half_attends_as_truncated_bfloat16():
 
 def test_complement_joins_to_the_prefix_bit_for_bit():
     pre, c16 = prefix(), get_compressor("split16")
-    hi = c16.compress(pre)
-    lo = c16.complement(pre, hi)
-    assert lo.spec == hi.spec + COMPLEMENT and lo.meta["hi"] == digest(hi.layers)
+    hi, lo = c16.halves(pre)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(hi.layers, c16.compress(pre).layers) for n in ("k", "v"))
+    assert hi.meta == c16.compress(pre).meta and lo.spec == hi.spec + COMPLEMENT and lo.meta["hi"] == digest(hi.layers)
     back = LayeredKV.from_payload(*lo.to_payload())  # as a store returns it
     for (k, v), k0, v0 in zip(c16.full_layers(hi, back), pre.keys, pre.values):
         assert torch.equal(k.view(torch.int32), k0.view(torch.int32)) and torch.equal(v, v0)
@@ -66,14 +66,13 @@ def test_complement_joins_to_the_prefix_bit_for_bit():
 def test_a_complement_of_other_kv_is_refused():
     c16 = get_compressor("split16")
     a, b = prefix(seed=1), prefix(seed=2)
-    hi_a, hi_b = c16.compress(a), c16.compress(b)
+    (hi_a, lo), (_, lo_b) = c16.halves(a), c16.halves(b)
     with pytest.raises(ValueError, match="digest differs"):
-        c16.full_layers(hi_a, c16.complement(b, hi_b))
+        c16.full_layers(hi_a, lo_b)
     with pytest.raises(ValueError, match="other prefix"):
-        c16.full_layers(hi_a, c16.complement(prefix(t=69), c16.compress(prefix(t=69))))
+        c16.full_layers(hi_a, c16.halves(prefix(t=69))[1])
     with pytest.raises(ValueError, match="not a split16 complement"):
         c16.full_layers(hi_a, hi_a)
-    lo = c16.complement(a, hi_a)
     lo.layers[1]["v"] = lo.layers[1]["v"][:, :-1]
     with pytest.raises(ValueError, match="complement layer 1 'v'"):
         c16.full_layers(hi_a, lo)

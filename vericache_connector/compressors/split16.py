@@ -2,7 +2,7 @@
 
 Each float32 value is 32 bits, hi:lo (16 + 16). The compressed copy holds hi: the sign, the exponent and
 the top 7 mantissa bits, i.e. bfloat16 by truncation (relative error below 2**-7), which drafts nearly as
-well as the full KV. Its complement (`complement`) holds lo, and `join(hi, lo)` is the float32 KV bit for
+well as the full KV. Its complement (`halves` gives both) holds lo, and `join(hi, lo)` is the float32 KV bit for
 bit. A reader that drafts on the compressed copy first then needs only the complement to have the full
 KV, so the compressed copy adds NO bytes on the link: the vLLM connector's pre-draft path
 (integration/vllm/worker.py) fetches hi (half the bytes), drafts on it, then fetches lo and joins.
@@ -62,11 +62,18 @@ class Split16Compressor(Compressor):
         layers = [{"k": split(k.float())[0], "v": split(v.float())[0]} for k, v in zip(prefix.keys, prefix.values)]
         return LayeredKV(self.spec, {"compressor": self.name, "num_tokens": prefix.num_tokens}, layers)
 
-    def complement(self, prefix: PrefixKV, compressed: LayeredKV) -> LayeredKV:
-        """The lower halves of `prefix`, naming `compressed` (its upper halves) by digest."""
-        layers = [{"k": split(k.float())[1], "v": split(v.float())[1]} for k, v in zip(prefix.keys, prefix.values)]
-        meta = {"compressor": self.name, "part": "lo", "num_tokens": prefix.num_tokens, "hi": digest(compressed.layers)}
-        return LayeredKV(self.spec + COMPLEMENT, meta, layers)
+    def halves(self, prefix: PrefixKV) -> tuple[LayeredKV, LayeredKV]:
+        """(the compressed copy, its complement) of `prefix`, from one split of each tensor; the complement
+        names the upper halves it completes by digest."""
+        hi, lo = [], []
+        for k, v in zip(prefix.keys, prefix.values):
+            (kh, kl), (vh, vl) = split(k.float()), split(v.float())
+            hi.append({"k": kh, "v": vh})
+            lo.append({"k": kl, "v": vl})
+        n = prefix.num_tokens
+        compressed = LayeredKV(self.spec, {"compressor": self.name, "num_tokens": n}, hi)
+        meta = {"compressor": self.name, "part": "lo", "num_tokens": n, "hi": digest(hi)}
+        return compressed, LayeredKV(self.spec + COMPLEMENT, meta, lo)
 
     def full_layers(
         self, compressed: LayeredKV, complement: LayeredKV, hi_digest: str | None = None

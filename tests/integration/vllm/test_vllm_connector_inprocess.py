@@ -165,6 +165,20 @@ def blocks_kv(views, block_ids, n):
     return [(gather_tokens(k, ids, n), gather_tokens(v, ids, n)) for k, v in views]
 
 
+def load(conn, rid: str, block_ids: list[int], start: int = 0) -> set[str]:
+    """Load the stored prefix into block_ids (from token `start`): the requests reported finished."""
+    conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec(rid, PROMPT[:STORED], block_ids, start, PROMPT)]))
+    conn.start_load_kv(None)
+    return wait_for(lambda: conn.get_finished(set())[1])
+
+
+def assert_same_kv(views, saved: list[int], loaded: list[int]) -> None:
+    """The blocks hold the same KV, bit for bit."""
+    for (k0, v0), (k1, v1) in zip(blocks_kv(views, saved, STORED), blocks_kv(views, loaded, STORED)):
+        assert torch.equal(k0.view(torch.int32), k1.view(torch.int32))
+        assert torch.equal(v0.view(torch.int32), v1.view(torch.int32))
+
+
 def wait_for(fn, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -192,19 +206,12 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         n, comp = conn.draft_handoff.find(PROMPT)
         assert n == STORED and comp.num_layers == LAYERS
         # load it into other blocks: the same KV arrives, the request is reported finished
-        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)]))
-        conn.start_load_kv(None)
-        assert wait_for(lambda: conn.get_finished(set())[1]) == {"b"}
+        assert load(conn, "b", [4, 5, 6, 7]) == {"b"}
         assert not conn.get_block_ids_with_load_errors()
-        for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, [4, 5, 6, 7], STORED)):
-            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
         # a corrupt chunk: the load fails, its blocks are reported for recomputation
         asyncio.run(_corrupt(store_url, PROMPT[:STORED], 1))
-        conn.bind_connector_metadata(
-            VeriCacheMetadata(loads=[LoadSpec("c", PROMPT[:STORED], [4, 5, 6, 7], 128, PROMPT)])
-        )
-        conn.start_load_kv(None)
-        assert wait_for(lambda: conn.get_finished(set())[1]) == {"c"}
+        assert load(conn, "c", [4, 5, 6, 7], start=128) == {"c"}
         assert conn.get_block_ids_with_load_errors() == {5, 6, 7}
     finally:
         conn.shutdown()
@@ -278,12 +285,9 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
 
         monkeypatch.setattr(worker_module, "stream_full_copy", no_full_copy)
         for rid, blocks in (("b", [4, 5, 6, 7]), ("c", [6, 7, 8, 9])):
-            conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec(rid, PROMPT[:STORED], blocks, 0, PROMPT)]))
-            conn.start_load_kv(None)
-            assert wait_for(lambda: conn.get_finished(set())[1]) == {rid}
+            assert load(conn, rid, blocks) == {rid}
             assert not conn.get_block_ids_with_load_errors() and not streamed
-            for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, blocks, STORED)):
-                assert torch.equal(k0.view(torch.int32), k1.view(torch.int32)) and torch.equal(v0, v1)
+            assert_same_kv(views, [0, 1, 2, 3], blocks)
         assert [(n, c.spec, done) for n, c, done in drafter.got] == [(STORED, spec, False)] * 2  # before the load
         k_hi, _ = drafter.got[0][1].layer_kv(2, torch.float32)
         assert torch.equal(k_hi, (kv[2]["k"].view(torch.int32) & ~0xFFFF).view(torch.float32))
@@ -292,21 +296,16 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
         other = get_compressor("split16")
         wrong = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=6)
         pre = PrefixKV([x["k"] for x in wrong], [x["v"] for x in wrong])
-        lo = other.complement(pre, other.compress(pre))
+        _, lo = other.halves(pre)
         call(store.put_prefix(PROMPT[:STORED], None, {lo.spec: lo.to_payload()}, overwrite=True))
-        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("d", PROMPT[:STORED], [6, 7, 8, 9], 0, PROMPT)]))
-        conn.start_load_kv(None)
-        assert wait_for(lambda: conn.get_finished(set())[1]) == {"d"}
+        assert load(conn, "d", [6, 7, 8, 9]) == {"d"}
         assert not conn.get_block_ids_with_load_errors()
-        for (k0, v0), (k1, v1) in zip(blocks_kv(views, [0, 1, 2, 3], STORED), blocks_kv(views, [6, 7, 8, 9], STORED)):
-            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        assert_same_kv(views, [0, 1, 2, 3], [6, 7, 8, 9])
         # a fast store (no room for draft steps): the full copy is streamed, nothing pre-drafted, and the
         # proposer still gets the upper halves, cut from the loaded KV (no compressed copy fetched)
         drafter.window, predrafts = False, len(drafter.got)
         conn.draft_handoff.prefixes.clear()
-        conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec("e", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)]))
-        conn.start_load_kv(None)
-        assert wait_for(lambda: conn.get_finished(set())[1]) == {"e"}
+        assert load(conn, "e", [4, 5, 6, 7]) == {"e"}
         assert len(drafter.got) == predrafts and not conn.get_block_ids_with_load_errors()
         n, comp = wait_for(lambda: conn.draft_handoff.find(PROMPT))
         assert n == STORED and comp.spec == spec

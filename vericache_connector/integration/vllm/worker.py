@@ -100,14 +100,13 @@ class VeriCacheConnectorWorker:
     # ---- the work, on the store loop ----
     def _compress_and_save(self, spec: SaveSpec, keys, values) -> None:
         t0 = time.perf_counter()
-        comp = self.compressor.compress(PrefixKV([k.float() for k in keys], [v.float() for v in values]))
+        pre = PrefixKV([k.float() for k in keys], [v.float() for v in values])
+        # split16 also stores the lower halves: with the compressed copy, the full KV (the proposer's load path)
+        comp, *rest = self.compressor.halves(pre) if self.split else (self.compressor.compress(pre),)
         if self.handoff is not None:
             self.handoff.post(spec.prefix, comp)
         layers = [{"k": k, "v": v} for k, v in zip(keys, values)]
-        copies = {comp.spec: comp.to_payload()}
-        if self.split:  # the lower halves: with the compressed copy, the full KV (the proposer's load path)
-            lo = self.compressor.complement(PrefixKV(keys, values), comp)
-            copies[lo.spec] = lo.to_payload()
+        copies = {c.spec: c.to_payload() for c in (comp, *rest)}
         try:
             res = self.client.call(
                 self.client.store.put_prefix(spec.prefix, layers, copies, overwrite=spec.overwrite),
@@ -135,9 +134,8 @@ class VeriCacheConnectorWorker:
         loaded, when = threading.Event(), {}
         split = self._split_load(n)
         # split16 without a pre-draft (a fast store): no compressed fetch; its copy is cut from the full KV below
-        own_copy = self.split and not split and self.handoff is not None and self.handoff.drafter is not None
-        fetch = not split and not own_copy
-        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0) if fetch else asyncio.sleep(0))
+        own_copy = self._split_drafter and not split
+        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0))
         streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def put(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -188,11 +186,16 @@ class VeriCacheConnectorWorker:
         where the lower halves' transfer (as long as the upper halves', measured on earlier loads) leaves the
         pre-draft room for a few draft steps. On a fast store the split's sequential halves, their checks and
         the join would only delay the first token."""
-        drafter = None if self.handoff is None else self.handoff.drafter
-        if not self.split or drafter is None:
+        if not self._split_drafter:
             return False
         per_token = self._compressed_s_per_token
-        return per_token is None or drafter.worth_predraft_during(per_token * n)
+        return per_token is None or self.handoff.drafter.worth_predraft_during(per_token * n)
+
+    @property
+    def _split_drafter(self) -> bool:
+        """split16 with the proposer: its compressed copy is fetched as half of the full copy or cut from the
+        loaded KV, never fetched beside it (_post_compressed)."""
+        return self.split and self.handoff is not None and self.handoff.drafter is not None
 
     def _learn_transfer(self, per_token: float) -> None:
         """A compressed copy's transfer time per token (EMA): what the next fetch decision weighs."""
@@ -203,16 +206,12 @@ class VeriCacheConnectorWorker:
         """split16 with the proposer: the upper halves (posted: the pre-draft starts on them), then the lower
         halves, joined into the full KV bit for bit and put into the blocks. False where a half is missing or
         does not fit (logged): the caller streams the full copy instead, so the output never depends on it."""
-        n, store, wait = len(spec.prefix), self.client.store, self.cfg.timeout_s
+        store, wait = self.client.store, self.cfg.timeout_s
         lo_task = None
         try:
-            got = await asyncio.wait_for(store.get_compressed(spec.prefix, self.compressor.spec), wait)
-            if got is None:  # stored chunks of a longer prefix, copies for that one only: no drafts, no warning
+            hi = await self._fetch_compressed(spec, when, t0)
+            if hi is None:  # stored chunks of a longer prefix, copies for that one only: no drafts, no warning
                 return False
-            hi = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
-            self.compressor.validate(hi, n, len(self._views), self.num_kv_heads, self.head_dim)
-            when["compressed"] = time.perf_counter() - t0
-            self._learn_transfer(when["compressed"] / n)
             drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])  # the rest takes as long
             hi_digest = asyncio.ensure_future(asyncio.to_thread(digest, hi.layers))  # while the rest arrives
             lo_task = asyncio.ensure_future(
@@ -240,10 +239,25 @@ class VeriCacheConnectorWorker:
             if lo_task is not None and not lo_task.done():
                 lo_task.cancel()
 
+    async def _fetch_compressed(self, spec: LoadSpec, when: dict, t0: float) -> LayeredKV | None:
+        """The compressed copy of exactly this prefix (None: none stored), checked against the model
+        (ValueError); its arrival in when["compressed"], its transfer time learned for the next decision."""
+        n = len(spec.prefix)
+        got = await asyncio.wait_for(
+            self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
+        )
+        if got is None:
+            return None
+        comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
+        self.compressor.validate(comp, n, len(self._views), self.num_kv_heads, self.head_dim)
+        when["compressed"] = time.perf_counter() - t0
+        self._learn_transfer(when["compressed"] / n)
+        return comp
+
     async def _post_compressed(self, spec: LoadSpec, loaded: threading.Event, when: dict, t0: float) -> None:
         """Fetch the compressed copy and hand it to the proposer, which pre-drafts until `loaded`. A missing
         or broken copy only costs the drafts: vLLM decodes without them."""
-        if self.handoff is None:
+        if self.handoff is None or self._split_drafter:
             return
         n = len(spec.prefix)
         drafter = self.handoff.drafter
@@ -257,14 +271,8 @@ class VeriCacheConnectorWorker:
             )
             return
         try:
-            got = await asyncio.wait_for(
-                self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
-            )
-            if got is not None:
-                comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
-                self.compressor.validate(comp, len(spec.prefix), len(self._views), self.num_kv_heads, self.head_dim)
-                when["compressed"] = time.perf_counter() - t0
-                self._learn_transfer(when["compressed"] / n)  # the next fetch decision weighs it
+            comp = await self._fetch_compressed(spec, when, t0)
+            if comp is not None:
                 await asyncio.to_thread(self.handoff.post, spec.prefix, comp, spec.prompt, loaded)
         except Exception as e:  # noqa: BLE001
             logger.warning(
