@@ -146,6 +146,13 @@ class Mac:
             h.update(p)
         return h.hexdigest()
 
+    def hasher(self, length: int, size: int = 32):
+        """A hashlib object that, fed one part of `length` bytes in pieces (update, in order), ends at
+        tag(part, size=size): for a payload that arrives in ranges."""
+        h = hashlib.blake2b(key=self._key, digest_size=size)
+        h.update(length.to_bytes(8, "little"))
+        return h
+
     def verify(self, tag, *parts: bytes | memoryview) -> bool:
         if not isinstance(tag, str) or not tag.isascii() or len(tag) not in (32, 64):
             return False

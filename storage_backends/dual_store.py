@@ -30,8 +30,8 @@ import torch
 from .base import CorruptObject, MissingObject, StorageBackend, StoreError, logger, open_backend
 from .credentials import MAC_ALGO, Mac
 from .keys import FULL, ChunkKey, KeySpace, check_spec
-from .manifest import LayerEntry, Manifest, UnauthenticatedObject, checksum
-from .serialization import decode_layer, serialize
+from .manifest import LayerEntry, Manifest, RunningChecksum, UnauthenticatedObject, checksum
+from .serialization import decode_layer, read_header, serialize
 from .throttle import ThrottledBackend
 
 Layers = Sequence[Mapping[str, torch.Tensor]]
@@ -316,6 +316,62 @@ class DualCopyStore:
             logger.warning("compressed copy %s unusable: %s", key, e)
             raise
 
+    async def stream_compressed(self, token_ids: Sequence[int], specs: Sequence[str]) -> AsyncIterator[CopyLayer]:
+        """Every layer of the compressed copies `specs` of exactly this prefix, one copy after the other, as
+        they arrive: range reads of a layer each, the next issued as one lands, so the link carries the
+        copies back to back (a reader that needs one copy whole before the next: split16's halves).
+
+        Nothing is yielded if specs[0] is not stored (a miss, as get_compressed's None); MissingObject before
+        anything is yielded if a later copy is not. Each layer is checked against its manifest checksum
+        before it is yielded; `meta` (the payload header) is checked with the whole payload's checksum
+        once the copy's last layer is in, so commit what the layers built only when the iteration ends
+        without an error. Close the iterator (contextlib.aclosing) to stop early.
+        """
+        keys = [self.keys.prefix_key(token_ids).copy(check_spec(spec)) for spec in specs]
+        try:
+            manifests = await asyncio.gather(*(self._manifest(k) for k in keys))
+        except UnauthenticatedObject:
+            return  # a miss, logged
+        if not manifests or manifests[0] is None:
+            return
+        for key, m in zip(keys, manifests):
+            if m is None:
+                raise MissingObject(f"compressed copy {key!r} is not stored (the first one is)")
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.prefetch_layers)
+        fetcher = asyncio.create_task(self._fetch_ranges(manifests, queue))
+        try:
+            for copy, m in enumerate(manifests):
+                whole = RunningChecksum(m.algo, self._mac, m.size)
+                meta = _header_meta(m, await _next(queue), whole)
+                for i in range(len(m.layers)):
+                    tensors = await asyncio.to_thread(self._check_layer, m, i, await _next(queue), whole)
+                    if i == len(m.layers) - 1:
+                        m.check_whole(whole)
+                    yield CopyLayer(copy, meta, i, len(m.layers), tensors)
+        except StoreError as e:
+            logger.warning("compressed copies %s unusable: %s: %s", list(specs), type(e).__name__, e)
+            raise
+        finally:
+            fetcher.cancel()
+            await asyncio.gather(fetcher, return_exceptions=True)
+
+    async def _fetch_ranges(self, manifests: list[Manifest], queue: asyncio.Queue) -> None:
+        """Each payload's header, then each of its layers, in order: bytes (or the error) onto the queue."""
+        try:
+            for m in manifests:
+                await queue.put(await self.backend.get_range(m.payload_key, 0, m.layers[0].offset))
+                for e in m.layers:
+                    await queue.put(await self.backend.get_range(m.payload_key, e.offset, e.end))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, in order
+            await queue.put(e)
+
+    def _check_layer(self, m: Manifest, i: int, blob: bytes, whole: RunningChecksum) -> dict[str, torch.Tensor]:
+        blob = m.verify_layer(i, blob, self._mac)
+        whole.update(blob)
+        return decode_layer(blob)
+
     async def stream_full(self, token_ids: Sequence[int]) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (layer_idx, k, v) for the whole prefix, layer by layer, as layers arrive.
 
@@ -403,6 +459,38 @@ class DualCopyStore:
     async def get_full(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """All layers of the full copy at once: [(k, v), ...]."""
         return [(k, v) async for _, k, v in self.stream_full(token_ids)]
+
+
+@dataclass(frozen=True)
+class CopyLayer:
+    """One layer of a compressed copy, as DualCopyStore.stream_compressed yields it."""
+
+    copy: int  # index of the copy in the specs asked for
+    meta: dict  # the copy's meta (its payload header)
+    index: int  # layer
+    count: int  # layers in the copy
+    tensors: dict[str, torch.Tensor]
+
+
+async def _next(queue: asyncio.Queue):
+    item = await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def _header_meta(m: Manifest, header: bytes | None, whole: RunningChecksum) -> dict:
+    """The meta of a payload from its header bytes, which must lay the layers out exactly as the manifest
+    does, back to back up to its end (so header + layers is the whole payload the checksum covers)."""
+    if header is None or len(header) != m.layers[0].offset:
+        raise MissingObject(f"payload {m.payload_key!r} listed in manifest {m.key!r} is missing or truncated")
+    meta, spans = read_header(header)
+    laid_out = [(s.offset, s.length) for s in spans] == [(e.offset, e.length) for e in m.layers]
+    starts = [len(header)] + [e.end for e in m.layers[:-1]]
+    if not laid_out or [e.offset for e in m.layers] != starts or m.layers[-1].end != m.size:
+        raise CorruptObject(f"payload {m.payload_key!r}: its header's layers differ from manifest {m.key!r}")
+    whole.update(header)
+    return meta
 
 
 def _join_layer(blobs: list[bytes], token_dim: int, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,31 @@ def checksum(data: bytes | memoryview, algo: str = "blake2b", mac: Mac | None = 
     raise ValueError(f"unknown checksum algorithm {algo!r} (expected one of {ALGOS})")
 
 
+class RunningChecksum:
+    """checksum(payload, algo, mac) of a payload fed in pieces, in order: one pass over one that arrives in
+    range reads. `length`: the whole payload's bytes (a keyed checksum binds it first)."""
+
+    def __init__(self, algo: str, mac: Mac | None, length: int):
+        checksum(b"", algo, mac)  # validates algo (and that a keyed one has its key)
+        self.algo, self._crc = algo, 0
+        self._h = (
+            mac.hasher(length, size=16)
+            if algo == MAC_ALGO
+            else hashlib.blake2b(digest_size=16)
+            if algo == "blake2b"
+            else None
+        )
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._h is None:
+            self._crc = zlib.crc32(data, self._crc)
+        else:
+            self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return f"{self._crc & 0xFFFFFFFF:08x}" if self._h is None else self._h.hexdigest()
+
+
 def _canonical(fields: dict) -> bytes:
     return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
@@ -161,6 +186,11 @@ class Manifest:
             raise CorruptObject(f"manifest {self.key!r} has no layer {index} ({len(self.layers)} layers)")
         entry = self.layers[index]
         return self._verify(blob, f" layer {index}", entry.length, entry.checksum, mac)
+
+    def check_whole(self, running: RunningChecksum) -> None:
+        """The whole payload, read in ranges and fed to `running` in order, matches this manifest."""
+        if not hmac.compare_digest(running.hexdigest(), self.checksum if self.checksum.isascii() else ""):
+            raise CorruptObject(f"payload {self.payload_key!r}: {self.algo} checksum mismatch")
 
     def _verify(self, data: bytes | None, part: str, length: int, digest: str, mac: Mac | None = None) -> bytes:
         if data is None:

@@ -18,6 +18,7 @@ connector refuses split16 on a KV cache that is not float32.
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -26,23 +27,22 @@ from .base import Compressor, LayeredKV, PrefixKV
 
 Tensor = torch.Tensor
 COMPLEMENT = "+lo"  # the complement's spec: the compressed copy's spec + this
+_LO, _HI = (0, 1) if sys.byteorder == "little" else (1, 0)  # the 16-bit words of a float32 in memory
 
 
 def split(x: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 x -> (hi, lo) int16 halves of its bits (int64 arithmetic: no int32 shift overflow)."""
+    """float32 x -> (hi, lo) int16 halves of its bits: the two 16-bit words of each value in memory, no
+    arithmetic (hi = b >> 16 and lo = the sign-extended low 16 bits, as the table above)."""
     if x.dtype != torch.float32:
         raise ValueError(f"split16 splits float32 KV, got {x.dtype}")
-    b = x.contiguous().view(torch.int32).to(torch.int64)
-    lo = b & 0xFFFF
-    return (b >> 16).to(torch.int16), (lo - ((lo & 0x8000) << 1)).to(torch.int16)
+    words = x.contiguous().view(torch.int16).unflatten(-1, (-1, 2))
+    return words[..., _HI].contiguous(), words[..., _LO].contiguous()
 
 
 def join(hi: Tensor, lo: Tensor | None) -> Tensor:
     """The float32 values of (hi, lo); lo None: the upper half alone (bfloat16 truncation)."""
-    b = hi.to(torch.int64) << 16
-    if lo is not None:
-        b = b | (lo.to(torch.int64) & 0xFFFF)
-    return b.to(torch.int32).view(torch.float32)
+    halves = (torch.zeros_like(hi) if lo is None else lo, hi)[:: 1 if _LO == 0 else -1]
+    return torch.stack(halves, dim=-1).view(torch.float32).squeeze(-1)
 
 
 def digest(layers: list[dict[str, Tensor]]) -> str:
@@ -81,25 +81,31 @@ class Split16Compressor(Compressor):
         """[(k, v)] float32 per layer, bit for bit the KV both halves were split from. ValueError unless the
         complement is this compressor's, of the same shapes, and completes exactly this compressed copy
         (hi_digest: `digest(compressed.layers)` if the caller computed it already, e.g. during a fetch)."""
-        meta = complement.meta if isinstance(complement, LayeredKV) else None
-        if not isinstance(meta, dict) or complement.spec != self.spec + COMPLEMENT or meta.get("part") != "lo":
+        if not isinstance(complement, LayeredKV) or complement.spec != self.spec + COMPLEMENT:
             raise ValueError(f"not a {self.spec} complement: {getattr(complement, 'spec', complement)!r}")
-        if (
-            meta.get("num_tokens") != compressed.meta.get("num_tokens")
-            or complement.num_layers != compressed.num_layers
-        ):
+        self.check_complement(compressed, complement.meta, complement.num_layers, hi_digest)
+        return [self.join_layer(compressed, i, lo) for i, lo in enumerate(complement.layers)]
+
+    def check_complement(self, compressed: LayeredKV, meta, num_layers: int, hi_digest: str | None = None) -> None:
+        """ValueError unless a complement of `num_layers` layers with this meta completes exactly `compressed`."""
+        if not isinstance(meta, dict) or meta.get("part") != "lo":
+            raise ValueError(f"not a {self.spec} complement (meta {meta!r})")
+        if meta.get("num_tokens") != compressed.meta.get("num_tokens") or num_layers != compressed.num_layers:
             raise ValueError("the complement covers another prefix (tokens or layers differ)")
-        for i, (hi, lo) in enumerate(zip(compressed.layers, complement.layers)):
-            if not isinstance(lo, dict) or sorted(lo) != ["k", "v"]:
-                raise ValueError(f"complement layer {i} has tensors {sorted(lo) if isinstance(lo, dict) else lo}")
-            for name in ("k", "v"):
-                if lo[name].dtype != torch.int16 or lo[name].shape != hi[name].shape:
-                    raise ValueError(f"complement layer {i} {name!r} is {lo[name].dtype} {tuple(lo[name].shape)}")
         if meta.get("hi") != (hi_digest or digest(compressed.layers)):
             raise ValueError("the complement was split from other KV than this compressed copy (digest differs)")
-        return [
-            (join(hi["k"], lo["k"]), join(hi["v"], lo["v"])) for hi, lo in zip(compressed.layers, complement.layers)
-        ]
+
+    @staticmethod
+    def join_layer(compressed: LayeredKV, i: int, lo: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Layer i's float32 (k, v) from the compressed copy's upper halves and the complement's layer `lo`
+        (ValueError unless its tensors are int16 of the same shapes); check_complement checks the rest."""
+        hi = compressed.layers[i]
+        if not isinstance(lo, dict) or sorted(lo) != ["k", "v"]:
+            raise ValueError(f"complement layer {i} has tensors {sorted(lo) if isinstance(lo, dict) else lo}")
+        for name in ("k", "v"):
+            if lo[name].dtype != torch.int16 or lo[name].shape != hi[name].shape:
+                raise ValueError(f"complement layer {i} {name!r} is {lo[name].dtype} {tuple(lo[name].shape)}")
+        return join(hi["k"], lo["k"]), join(hi["v"], lo["v"])
 
     @staticmethod
     def decode(meta, t, dtype):

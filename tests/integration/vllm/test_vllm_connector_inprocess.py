@@ -253,9 +253,12 @@ class RecordingDrafter:
 
 
 def save_blocks(conn, views, kv, prefix, block_ids) -> None:
+    """kv into the blocks; saved under prefix (None: only written)."""
     for (kview, vview), layer in zip(views, kv):
         scatter_tokens(kview, torch.tensor(block_ids), layer["k"])
         scatter_tokens(vview, torch.tensor(block_ids), layer["v"])
+    if prefix is None:
+        return
     conn.bind_connector_metadata(VeriCacheMetadata(saves=[SaveSpec("a", prefix, block_ids)]))
     conn.wait_for_save()
     conn.clear_connector_metadata()
@@ -298,18 +301,34 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
         pre = PrefixKV([x["k"] for x in wrong], [x["v"] for x in wrong])
         _, lo = other.halves(pre)
         call(store.put_prefix(PROMPT[:STORED], None, {lo.spec: lo.to_payload()}, overwrite=True))
-        assert load(conn, "d", [6, 7, 8, 9]) == {"d"}
-        assert not conn.get_block_ids_with_load_errors()
-        assert_same_kv(views, [0, 1, 2, 3], [6, 7, 8, 9])
+        zeros = [{"k": torch.zeros_like(x["k"]), "v": torch.zeros_like(x["v"])} for x in kv]
+        for rid in ("d", "d2"):  # other KV's lower halves, then none stored: the full copy either way
+            save_blocks(conn, views, zeros, None, [6, 7, 8, 9])
+            assert load(conn, rid, [6, 7, 8, 9]) == {rid}
+            assert not conn.get_block_ids_with_load_errors()
+            assert_same_kv(views, [0, 1, 2, 3], [6, 7, 8, 9])
+            call(store.backend.delete(store.keys.prefix_key(PROMPT[:STORED]).copy(lo.spec)))
         # a fast store (no room for draft steps): the full copy is streamed, nothing pre-drafted, and the
         # proposer still gets the upper halves, cut from the loaded KV (no compressed copy fetched)
+        # (e: the first load, told so by the upper halves' first layers; f: by the transfer learned)
+        _, lo = other.halves(PrefixKV([x["k"] for x in kv], [x["v"] for x in kv]))  # this KV's lower halves again
+        call(store.put_prefix(PROMPT[:STORED], None, {lo.spec: lo.to_payload()}, overwrite=True))
         drafter.window, predrafts = False, len(drafter.got)
-        conn.draft_handoff.prefixes.clear()
-        assert load(conn, "e", [4, 5, 6, 7]) == {"e"}
-        assert len(drafter.got) == predrafts and not conn.get_block_ids_with_load_errors()
-        n, comp = wait_for(lambda: conn.draft_handoff.find(PROMPT))
-        assert n == STORED and comp.spec == spec
-        assert torch.equal(comp.layer_kv(2, torch.float32)[0], k_hi)
+        conn.worker._compressed_s_per_token = None
+        decided = []
+        worth_split = conn.worker._worth_split
+        monkeypatch.setattr(conn.worker, "_worth_split", lambda *a: decided.append(worth_split(*a)) or decided[-1])
+        for rid in ("e", "f"):
+            conn.draft_handoff.prefixes.clear()
+            save_blocks(conn, views, zeros, None, [4, 5, 6, 7])
+            assert load(conn, rid, [4, 5, 6, 7]) == {rid}
+            assert len(drafter.got) == predrafts and not conn.get_block_ids_with_load_errors()
+            assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
+            n, comp = wait_for(lambda: conn.draft_handoff.find(PROMPT))
+            assert n == STORED and comp.spec == spec
+            assert torch.equal(comp.layer_kv(2, torch.float32)[0], k_hi)
+            assert conn.worker._compressed_s_per_token is not None
+        assert decided == [False]  # e decided on the upper halves' first layers, f before fetching any
     finally:
         conn.shutdown()
 

@@ -7,8 +7,9 @@ on the store loop: the full copy per chunk and one compressed copy of the whole 
 which drafts at once), while the full copy streams layer by layer into the request's blocks
 (remote.full_copy, the same loop the engine's prefix cache uses). With the lossless split compressor
 (compressors/split16.py) and the proposer running, the compressed copy IS the upper half of the full
-copy: the load fetches it, posts it, then fetches the lower half and joins the two (the full copy's
-bytes cross the link once; the pre-drafts start halfway). A compressed copy that does not fit
+copy: the load streams it, posts it, then streams the lower half right behind it on the link, joining
+and putting each layer as it lands (the full copy's bytes cross the link once; the pre-drafts start
+halfway; the first token waits for no more than the last layer's join). A compressed copy that does not fit
 the model or its own meta (Compressor.validate) is not handed over: no drafts, the output is vLLM's
 anyway. A failed load reports its blocks through get_block_ids_with_load_errors and vLLM recomputes them.
 """
@@ -16,6 +17,7 @@ anyway. A failed load reports its blocks through get_block_ids_with_load_errors 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -133,8 +135,6 @@ class VeriCacheConnectorWorker:
         lo = first * self.block_size
         loaded, when = threading.Event(), {}
         split = self._split_load(n)
-        # split16 without a pre-draft (a fast store): no compressed fetch; its copy is cut from the full KV below
-        own_copy = self._split_drafter and not split
         drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0))
         streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -142,11 +142,12 @@ class VeriCacheConnectorWorker:
             kv, vv = self._views[layer]
             scatter_tokens(kv, ids, k[:, lo:n])
             scatter_tokens(vv, ids, v[:, lo:n])
-            if own_copy:
+            if self._split_drafter:  # the proposer's copy if the full copy is streamed: cut from it below
                 streamed[layer] = (k, v)
 
         try:
-            if not (split and await self._load_split(spec, put, loaded, when, t0)):
+            split = split and await self._load_split(spec, put, loaded, when, t0)
+            if not split:
                 await stream_full_copy(
                     self.client.store,
                     spec.prefix,
@@ -176,8 +177,9 @@ class VeriCacheConnectorWorker:
             with self._lock:
                 self._done_loading.add(spec.req_id)
             await asyncio.gather(drafting, return_exceptions=True)
-        if own_copy and len(streamed) == len(self._views):  # after the request was reported loaded: for the
-            kv = [streamed[i] for i in range(len(self._views))]  # proposer's drafts once vLLM runs it
+        # split16 on a fast store: no compressed copy fetched; the proposer's is cut from the streamed KV, after
+        if self._split_drafter and not split and len(streamed) == len(self._views):  # the request was reported
+            kv = [streamed[i] for i in range(len(self._views))]  # loaded: for the drafts once vLLM runs it
             pre = PrefixKV([k for k, _ in kv], [v for _, v in kv])
             self.handoff.post(spec.prefix, await asyncio.to_thread(self.compressor.compress, pre))
 
@@ -204,31 +206,41 @@ class VeriCacheConnectorWorker:
 
     async def _load_split(self, spec: LoadSpec, put, loaded: threading.Event, when: dict, t0: float) -> bool:
         """split16 with the proposer: the upper halves (posted: the pre-draft starts on them), then the lower
-        halves, joined into the full KV bit for bit and put into the blocks. False where a half is missing or
-        does not fit (logged): the caller streams the full copy instead, so the output never depends on it."""
-        store, wait = self.client.store, self.cfg.timeout_s
-        lo_task = None
+        halves right behind them on the link, each layer joined bit for bit and put as it lands. False where
+        there is no compressed copy of exactly this prefix, or a half is missing or does not fit (logged):
+        the caller streams the full copy instead (over these blocks), so the output never depends on it."""
+        comp = self.compressor
+        hi, hi_digest, posting = None, None, None
+        hi_layers: list[dict] = []
         try:
-            hi = await self._fetch_compressed(spec, when, t0)
-            if hi is None:  # stored chunks of a longer prefix, copies for that one only: no drafts, no warning
+            stream = self.client.store.stream_compressed(spec.prefix, [comp.spec, comp.spec + COMPLEMENT])
+            async with contextlib.aclosing(stream) as layers:
+                while (x := await _next_layer(layers, self.cfg.timeout_s)) is not None:
+                    if x.copy == 0:  # the upper halves: whole before anything is drafted on them
+                        hi_layers.append(x.tensors)
+                        if x.index == 0:
+                            first = time.perf_counter()
+                        elif (
+                            x.index == 1
+                            and self._compressed_s_per_token is None
+                            and not self._worth_split(spec, (time.perf_counter() - first) * (x.count - 1) + first - t0)
+                        ):
+                            return False  # a fast store, seen on the first load: the full copy is streamed
+                        if x.index == x.count - 1:
+                            hi, hi_digest, posting = self._got_upper_halves(spec, x.meta, hi_layers, loaded, when, t0)
+                        continue
+                    if hi is None:
+                        raise ValueError("the upper halves ended early")
+                    if x.index == 0:  # the header's meta; its bytes are checked with the whole complement's
+                        comp.check_complement(hi, x.meta, x.count, await hi_digest)
+                    if x.index == x.count - 1:  # every byte is here: the pre-draft stops, the last joins go on
+                        when["lower halves"] = time.perf_counter() - t0
+                        loaded.set()
+                    await asyncio.to_thread(put, x.index, *comp.join_layer(hi, x.index, x.tensors))
+            if hi is None:  # no compressed copy of exactly this prefix (chunks of a longer one): no warning
                 return False
-            drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])  # the rest takes as long
-            hi_digest = asyncio.ensure_future(asyncio.to_thread(digest, hi.layers))  # while the rest arrives
-            lo_task = asyncio.ensure_future(
-                asyncio.wait_for(store.get_compressed(spec.prefix, hi.spec + COMPLEMENT), wait)
-            )
-            if drafting:
-                await asyncio.to_thread(self.handoff.post, spec.prefix, hi, spec.prompt, loaded)
-            else:  # no pre-draft; the proposer may still draft on it once the request runs
-                self.handoff.post(spec.prefix, hi)
-            got = await lo_task
-            if got is None:
-                raise LookupError("no lower halves stored")
-            when["lower halves"] = time.perf_counter() - t0
-            loaded.set()  # every byte is here: the pre-draft stops, the join and vLLM's next step get the cores
-            lo = LayeredKV.from_payload(*got)
-            layers = await asyncio.to_thread(self.compressor.full_layers, hi, lo, await hi_digest)
-            await asyncio.to_thread(lambda: [put(i, k, v) for i, (k, v) in enumerate(layers)])
+            if "lower halves" not in when:
+                raise ValueError("no lower halves streamed")
             return True
         except Exception as e:  # noqa: BLE001 - the full copy is streamed instead
             logger.warning(
@@ -236,8 +248,31 @@ class VeriCacheConnectorWorker:
             )
             return False
         finally:
-            if lo_task is not None and not lo_task.done():
-                lo_task.cancel()
+            await asyncio.gather(*(t for t in (posting, hi_digest) if t is not None), return_exceptions=True)
+
+    def _worth_split(self, spec: LoadSpec, upper_s: float) -> bool:
+        """The first load's decision (no transfer learned yet), from the upper halves' first two layers:
+        upper_s, their expected transfer, learned; the split goes on where the pre-draft has room."""
+        self._learn_transfer(upper_s / len(spec.prefix))
+        if self.handoff.drafter.worth_predraft_during(upper_s):
+            return True
+        logger.info(
+            "%s: the store is fast (~%.2fs for the upper halves): the full copy is streamed", spec.req_id, upper_s
+        )
+        return False
+
+    def _got_upper_halves(self, spec: LoadSpec, meta: dict, layers: list[dict], loaded, when: dict, t0: float):
+        """The upper halves are in: checked against the model, posted to the proposer (a pre-draft where the
+        lower halves' transfer, as long as theirs, leaves room for it); their digest computed meanwhile."""
+        hi = LayeredKV.from_payload(meta, layers)
+        n = len(spec.prefix)
+        self.compressor.validate(hi, n, len(self._views), self.num_kv_heads, self.head_dim)
+        when["compressed"] = time.perf_counter() - t0
+        self._learn_transfer(when["compressed"] / n)
+        drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])
+        prompt = (spec.prompt, loaded) if drafting else ()  # else the proposer may draft on it once vLLM runs
+        posting = asyncio.ensure_future(asyncio.to_thread(self.handoff.post, spec.prefix, hi, *prompt))
+        return hi, asyncio.ensure_future(asyncio.to_thread(digest, layers)), posting
 
     async def _fetch_compressed(self, spec: LoadSpec, when: dict, t0: float) -> LayeredKV | None:
         """The compressed copy of exactly this prefix (None: none stored), checked against the model
@@ -278,3 +313,11 @@ class VeriCacheConnectorWorker:
             logger.warning(
                 "compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id, type(e).__name__, e
             )
+
+
+async def _next_layer(layers, stall_s: float):
+    """The next layer of a compressed-copy stream (None at its end); one that takes over stall_s: an error."""
+    try:
+        return await asyncio.wait_for(anext(layers), stall_s)
+    except StopAsyncIteration:
+        return None
