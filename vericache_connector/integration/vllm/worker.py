@@ -35,6 +35,7 @@ from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
 
 logger = init_logger("vllm.vericache")
 SAVE_TIMEOUT_S = 30.0  # a whole prefix written (at least the store timeout)
+PROBE_LAYERS = 5  # the first split load measures the link on this many layers of the upper halves
 
 
 class VeriCacheConnectorWorker:
@@ -218,14 +219,12 @@ class VeriCacheConnectorWorker:
                 while (x := await _next_layer(layers, self.cfg.timeout_s)) is not None:
                     if x.copy == 0:  # the upper halves: whole before anything is drafted on them
                         hi_layers.append(x.tensors)
-                        if x.index == 0:
-                            first = time.perf_counter()
-                        elif (
-                            x.index == 1
-                            and self._compressed_s_per_token is None
-                            and not self._worth_split(spec, (time.perf_counter() - first) * (x.count - 1) + first - t0)
-                        ):
-                            return False  # a fast store, seen on the first load: the full copy is streamed
+                        if x.index == 1:
+                            second = time.perf_counter()
+                        elif x.index == min(PROBE_LAYERS, x.count - 1) > 1 and self._compressed_s_per_token is None:
+                            per_layer = (time.perf_counter() - second) / (x.index - 1)
+                            if not self._worth_split(spec, per_layer * x.count):
+                                return False  # a fast store, seen on the first load: the full copy is streamed
                         if x.index == x.count - 1:
                             hi, hi_digest, posting = self._got_upper_halves(spec, x.meta, hi_layers, loaded, when, t0)
                         continue
@@ -251,8 +250,9 @@ class VeriCacheConnectorWorker:
             await asyncio.gather(*(t for t in (posting, hi_digest) if t is not None), return_exceptions=True)
 
     def _worth_split(self, spec: LoadSpec, upper_s: float) -> bool:
-        """The first load's decision (no transfer learned yet), from the upper halves' first two layers:
-        upper_s, their expected transfer, learned; the split goes on where the pre-draft has room."""
+        """The first load's decision (no transfer learned yet), from the upper halves' first layers (their
+        rate after the first, which a link's burst may carry): upper_s, their expected transfer, learned;
+        the split goes on where the pre-draft has room."""
         self._learn_transfer(upper_s / len(spec.prefix))
         if self.handoff.drafter.worth_predraft_during(upper_s):
             return True
