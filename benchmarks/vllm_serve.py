@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--min-tokens", type=int, default=1500, help="the shortest prompt's tokens")
     p.add_argument("--max-tokens", type=int, default=4000, help="the longest prompt's tokens")
     p.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--rounds", type=int, default=1, help="warm requests per prompt (their mean: less noise)")
     p.add_argument("--spec-k", type=int, default=32, help="num_speculative_tokens of our proposer")
     p.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens of vLLM's n-gram proposer")
     p.add_argument("--compressor", default="kivi4")
@@ -54,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF model directory (default: the bundled SmolLM2-135M)")
     p.add_argument("--out", default="results/vllm_serve")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
     if a.prompts < 1 or not 300 <= a.min_tokens <= a.max_tokens or a.new < 2 or a.spec_k < 1 or a.ngram_k < 1:
         p.error(f"bad sizes: --prompts {a.prompts}, --min/max-tokens {a.min_tokens}/{a.max_tokens}, --new {a.new}")
     if any(g <= 0 for g in a.gbits):
@@ -79,21 +82,29 @@ def server_config(args, model: str, store_dir: str, label: str, gbits: float | N
     )
 
 
-def serve(cfg, prompts: dict, new: int, phases: list[str], bar) -> dict:
-    """Every prompt in each phase, one request at a time; the server's log lines of interest."""
+def serve(cfg, prompts: dict, new: int, phases: list[str], bar, rounds: int = 1) -> dict:
+    """Every prompt in each phase, one request at a time (a warm phase `rounds` times: the mean of its
+    times, and tokens that differ from the first round's if any round's do); the server's log lines."""
     from vllm_server import VLLMServer
 
     out = {}
     with VLLMServer(cfg) as srv:
         srv.complete(list(range(1000, 1064)), 4)  # first-request overheads out of the timings
         for phase in phases:
-            for name, ids in prompts.items():
-                c = srv.complete(ids, new)
-                out[(phase, name)] = {"ttft_s": c.ttft_s, "e2e_s": c.total_s, "tokens": c.token_ids}
-                bar.update(1)
+            for _ in range(rounds if phase == "warm" else 1):
+                for name, ids in prompts.items():
+                    c = srv.complete(ids, new)
+                    out.setdefault((phase, name), []).append(c)
+                    bar.update(1)
             if phase == "cold" and cfg.store is not None:
                 wait_saves(srv, len(prompts))
         log = srv.log()
+    for key, done in list(out.items()):
+        tokens = next((c.token_ids for c in done if c.token_ids != done[0].token_ids), done[0].token_ids)
+        mean = {
+            k: statistics.fmean(getattr(c, a) for c in done) for k, a in (("ttft_s", "ttft_s"), ("e2e_s", "total_s"))
+        }
+        out[key] = {**mean, "tokens": tokens}
     out["loads_s"] = [float(x) for x in re.findall(r"hit \S+: \d+ tokens loaded .*?full after ([\d.]+)s", log)]
     out["spec"] = [ln.split("SpecDecoding metrics: ")[1] for ln in log.splitlines() if "SpecDecoding metrics" in ln]
     out["predrafts"] = [int(x) for x in re.findall(r"VeriCache pre-draft: (\d+) tokens", log)]
@@ -127,13 +138,15 @@ def main(argv=None) -> int:
     store_dir = tempfile.mkdtemp(prefix="vericache-bench-kv-")
     load = {"before": os.getloadavg()}
     print("the store link is EMULATED on the CPU (a token bucket on reads); the compute is real", flush=True)
-    with tqdm(total=n * (1 + 2 * len(settings) * len(args.configs)), desc="vllm serve", unit="req") as bar:
-        plain = serve(server_config(args, model, store_dir, "plain vLLM", None), prompts, args.new, ["warm"], bar)
+    total = n * args.rounds + n * (1 + args.rounds) * len(settings) * len(args.configs)
+    with tqdm(total=total, desc="vllm serve", unit="req") as bar:
+        cfg = server_config(args, model, store_dir, "plain vLLM", None)
+        plain = serve(cfg, prompts, args.new, ["warm"], bar, args.rounds)
         runs = {}
         for gbits in settings:
             for label in args.configs:
                 cfg = server_config(args, model, store_dir, label, gbits)
-                runs[(gbits, label)] = serve(cfg, prompts, args.new, ["cold", "warm"], bar)
+                runs[(gbits, label)] = serve(cfg, prompts, args.new, ["cold", "warm"], bar, args.rounds)
     load["after"] = os.getloadavg()
     result = summarize(args, prompts, plain, runs, settings, load)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
@@ -233,7 +246,11 @@ def table(result: dict) -> str:
             f"| {link} | {fd} | {s['configuration']} | {s['ttft_s']:.2f} | {s['e2e_s']:.2f} | {vs} | {acc} | {pre} | "
             f"{'yes' if s['identical'] else 'NO'} |"
         )
-    lines += ["", "e2e / connector: mean end-to-end time over the prompts / the connector alone's, same store link."]
+    lines += [
+        "",
+        f"e2e / connector: mean end-to-end time over the prompts ({a.get('rounds', 1)} warm request(s) each) / the "
+        "connector alone's, same store link.",
+    ]
     return "\n".join(lines)
 
 
