@@ -101,10 +101,8 @@ def serve(cfg, prompts: dict, new: int, phases: list[str], bar, rounds: int = 1)
         log = srv.log()
     for key, done in list(out.items()):
         tokens = next((c.token_ids for c in done if c.token_ids != done[0].token_ids), done[0].token_ids)
-        mean = {
-            k: statistics.fmean(getattr(c, a) for c in done) for k, a in (("ttft_s", "ttft_s"), ("e2e_s", "total_s"))
-        }
-        out[key] = {**mean, "tokens": tokens}
+        ttft, e2e = statistics.fmean(c.ttft_s for c in done), statistics.fmean(c.total_s for c in done)
+        out[key] = {"ttft_s": ttft, "e2e_s": e2e, "tokens": tokens}
     out["loads_s"] = [float(x) for x in re.findall(r"hit \S+: \d+ tokens loaded .*?full after ([\d.]+)s", log)]
     out["spec"] = [ln.split("SpecDecoding metrics: ")[1] for ln in log.splitlines() if "SpecDecoding metrics" in ln]
     out["predrafts"] = [int(x) for x in re.findall(r"VeriCache pre-draft: (\d+) tokens", log)]

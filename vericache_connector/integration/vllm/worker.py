@@ -143,7 +143,7 @@ class VeriCacheConnectorWorker:
             kv, vv = self._views[layer]
             scatter_tokens(kv, ids, k[:, lo:n])
             scatter_tokens(vv, ids, v[:, lo:n])
-            if self._split_drafter:  # the proposer's copy if the full copy is streamed: cut from it below
+            if self._split_drafter and not split:  # the full copy streamed: the proposer's copy is cut from it
                 streamed[layer] = (k, v)
 
         try:
@@ -264,26 +264,23 @@ class VeriCacheConnectorWorker:
     def _got_upper_halves(self, spec: LoadSpec, meta: dict, layers: list[dict], loaded, when: dict, t0: float):
         """The upper halves are in: checked against the model, posted to the proposer (a pre-draft where the
         lower halves' transfer, as long as theirs, leaves room for it); their digest computed meanwhile."""
-        hi = LayeredKV.from_payload(meta, layers)
-        n = len(spec.prefix)
-        self.compressor.validate(hi, n, len(self._views), self.num_kv_heads, self.head_dim)
-        when["compressed"] = time.perf_counter() - t0
-        self._learn_transfer(when["compressed"] / n)
+        hi = self._arrived(spec, LayeredKV.from_payload(meta, layers), when, t0)
         drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])
         prompt = (spec.prompt, loaded) if drafting else ()  # else the proposer may draft on it once vLLM runs
         posting = asyncio.ensure_future(asyncio.to_thread(self.handoff.post, spec.prefix, hi, *prompt))
         return hi, asyncio.ensure_future(asyncio.to_thread(digest, layers)), posting
 
     async def _fetch_compressed(self, spec: LoadSpec, when: dict, t0: float) -> LayeredKV | None:
-        """The compressed copy of exactly this prefix (None: none stored), checked against the model
-        (ValueError); its arrival in when["compressed"], its transfer time learned for the next decision."""
-        n = len(spec.prefix)
+        """The compressed copy of exactly this prefix (None: none stored), _arrived."""
         got = await asyncio.wait_for(
             self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
         )
-        if got is None:
-            return None
-        comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
+        return None if got is None else self._arrived(spec, LayeredKV.from_payload(*got), when, t0)
+
+    def _arrived(self, spec: LoadSpec, comp: LayeredKV, when: dict, t0: float) -> LayeredKV:
+        """A compressed copy whose checksums passed, checked against the model too (ValueError); its arrival
+        in when["compressed"], its transfer time learned for the next decision."""
+        n = len(spec.prefix)
         self.compressor.validate(comp, n, len(self._views), self.num_kv_heads, self.head_dim)
         when["compressed"] = time.perf_counter() - t0
         self._learn_transfer(when["compressed"] / n)
