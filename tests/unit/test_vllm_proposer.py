@@ -23,6 +23,7 @@ from vericache_connector.engine import DecodeConfig  # noqa: E402
 from vericache_connector.engine.planner import AcceptanceEstimate  # noqa: E402
 from vericache_connector.integration.vllm import proposer as P  # noqa: E402
 from vericache_connector.integration.vllm.draft_model import DraftModel  # noqa: E402
+from vericache_connector.integration.vllm.handoff import Deferred, DraftHandoff  # noqa: E402
 from vericache_connector.integration.vllm.pacing import DraftPacer  # noqa: E402
 
 from tiny_model import tiny_engine  # noqa: E402
@@ -181,6 +182,32 @@ def test_a_predraft_yields_to_the_served_models_steps(setup):
     assert during <= 1, during  # at most one step slipped in before the gate saw vLLM busy
     assert p.stats["predrafted"] >= during + 5  # and it drafts once vLLM is idle
     assert max(waits) < 0.5, max(waits)  # no step waited more than about one draft step (the suffix feed)
+
+
+def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requests_second_step(setup):
+    """A fast load posts no pre-draft, only a Deferred copy (split16: cut from the loaded KV). The request's
+    first step (its first token) neither cuts it nor builds a draft cache; the second starts both on a
+    thread of its own; compressed-KV drafts follow."""
+    eng, prompt, ref, compressed = setup
+    p = make_proposer(eng.model)
+    p.draft = DraftModel.of_own(eng.model)
+    p.handoff = DraftHandoff()
+    p.handoff.attach(p)
+    cut = []
+    p.handoff.post(prompt[:PREFIX], Deferred(lambda: cut.append(threading.current_thread().name) or compressed))
+    p.ngram = (64, 64)  # no n-gram drafts (a random model's greedy output loops)
+    assert p.propose(*step_args([prompt + ref[:1]])) == [[]]
+    time.sleep(0.2)
+    assert cut == [] and not p.groups  # nothing beside the first token's step
+    p.propose(*step_args([prompt + ref[:2]]))
+    deadline = time.monotonic() + 60
+    while not p.groups and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cut == ["vericache-draft-cache"] and len(p.groups) == 1
+    p.pacer._plain.extend([0.1] * 5)
+    p.pacer.drafted(0.001)  # drafts pay (cheap against vLLM's step)
+    (drafts,) = p.propose(*step_args([prompt + ref[:3]]))
+    assert drafts and p.stats["drafted"] >= len(drafts)
 
 
 def test_the_pacer_drafts_only_where_it_pays():

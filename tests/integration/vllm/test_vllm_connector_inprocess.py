@@ -5,6 +5,7 @@ The live-server tests (test_vllm_connector.py) check the output identity end to 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from storage_backends import DualCopyStore, Manifest  # noqa: E402
 from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
 from vericache_connector.integration.vllm.config import PROPOSER_CLASS  # noqa: E402
+from vericache_connector.integration.vllm.handoff import Deferred  # noqa: E402
 from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
 
@@ -217,6 +219,49 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         conn.shutdown()
 
 
+def test_a_step_without_a_forward_waits_for_the_load_instead_of_spinning(model_dir, store_url, monkeypatch):
+    """vLLM runs steps back to back while every request waits for its KV; such a step (metadata idle) waits
+    up to IDLE_WAIT_S for a load to end instead of answering at once (each answer takes the worker's GIL
+    and a core from the load and the pre-draft); the load's end wakes it; a step with a forward never waits."""
+    from vericache_connector.integration.vllm import worker as worker_module
+
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    req = create_request(PROMPT)
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched.add_request(req)
+    assert sched.schedule().kv_connector_metadata.idle  # only a request waiting for its KV: no forward
+    conn, views = worker(model_dir, store_url)
+    original, load_s = worker_module.stream_full_copy, 0.4
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(load_s)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "stream_full_copy", slow)
+    try:
+        spec = LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[spec], idle=True))
+        conn.start_load_kv(None)
+        t0, calls, done = time.perf_counter(), 0, None
+        while done is None and time.perf_counter() - t0 < 30:
+            done = conn.get_finished(set())[1]
+            calls += 1
+            conn.bind_connector_metadata(VeriCacheMetadata(idle=True))
+            conn.start_load_kv(None)
+        waited = time.perf_counter() - t0
+        assert done == {"b"} and not conn.get_block_ids_with_load_errors()
+        # spinning would answer thousands of steps meanwhile; each waited for the load (or IDLE_WAIT_S)
+        assert calls <= waited / worker_module.IDLE_WAIT_S + 3, (calls, waited)
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[dataclasses.replace(spec, req_id="c")], idle=False))
+        conn.start_load_kv(None)
+        t0 = time.perf_counter()
+        assert conn.get_finished(set())[1] is None  # a step with a forward answers at once
+        assert time.perf_counter() - t0 < worker_module.IDLE_WAIT_S / 2
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"c"}
+    finally:
+        conn.shutdown()
+
+
 def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
     from vllm.distributed.kv_transfer import kv_transfer_state
 
@@ -325,6 +370,8 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
             assert len(drafter.got) == predrafts and not conn.get_block_ids_with_load_errors()
             assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
             n, comp = wait_for(lambda: conn.draft_handoff.find(PROMPT))
+            assert isinstance(comp, Deferred)  # cut when the proposer builds its draft cache, not on the load
+            comp = comp.get()
             assert n == STORED and comp.spec == spec
             assert torch.equal(comp.layer_kv(2, torch.float32)[0], k_hi)
             assert conn.worker._compressed_s_per_token is not None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Protocol
+from typing import Callable, Protocol
 
 from ...compressors import CompressedKV
 
@@ -31,12 +31,30 @@ class Drafter(Protocol):
     ) -> None: ...
 
 
+class Deferred:
+    """A compressed copy made when first needed (by the proposer's draft-cache thread), not when posted: the
+    copy cut from a loaded full copy costs CPU that vLLM's first step of the request needs."""
+
+    def __init__(self, make: Callable[[], CompressedKV]):
+        self._make, self._copy, self._lock = make, None, threading.Lock()
+
+    def get(self) -> CompressedKV:
+        with self._lock:
+            if self._copy is None:
+                self._copy, self._make = self._make(), None
+            return self._copy
+
+
+def materialize(copy: CompressedKV | Deferred) -> CompressedKV:
+    return copy.get() if isinstance(copy, Deferred) else copy
+
+
 class DraftHandoff:
     def __init__(self, capacity: int = HANDOFF_CAPACITY):
         if capacity < 1:
             raise ValueError(f"handoff capacity must be >= 1, got {capacity}")
         self.capacity, self.lock = capacity, threading.Lock()
-        self.prefixes: OrderedDict[tuple[int, tuple[int, ...]], CompressedKV] = OrderedDict()
+        self.prefixes: OrderedDict[tuple[int, tuple[int, ...]], CompressedKV | Deferred] = OrderedDict()
         self.drafter: Drafter | None = None
 
     def attach(self, drafter: Drafter) -> None:
@@ -45,12 +63,12 @@ class DraftHandoff:
     def post(
         self,
         prefix: list[int],
-        compressed: CompressedKV,
+        compressed: CompressedKV | Deferred,
         predraft_prompt: list[int] | None = None,
         loaded: threading.Event | None = None,
     ) -> None:
         """Offer `compressed` (the copy of `prefix`); with predraft_prompt, ask an attached proposer to
-        draft that prompt's continuation until `loaded` is set."""
+        draft that prompt's continuation until `loaded` is set (a pre-draft needs the copy itself)."""
         with self.lock:
             self.prefixes[(len(prefix), tuple(prefix))] = compressed
             self.prefixes.move_to_end((len(prefix), tuple(prefix)))
@@ -58,10 +76,15 @@ class DraftHandoff:
                 self.prefixes.popitem(last=False)
         drafter = self.drafter
         if predraft_prompt is not None and drafter is not None:
-            drafter.predraft(predraft_prompt, len(prefix), compressed, loaded)
+            drafter.predraft(predraft_prompt, len(prefix), materialize(compressed), loaded)
 
-    def find(self, tokens: list[int]) -> tuple[int, CompressedKV] | None:
-        """The longest posted prefix of tokens that leaves at least one token after it."""
+    def has(self, prefix: list[int]) -> bool:
+        with self.lock:
+            return (len(prefix), tuple(prefix)) in self.prefixes
+
+    def find(self, tokens: list[int]) -> tuple[int, CompressedKV | Deferred] | None:
+        """The longest posted prefix of tokens that leaves at least one token after it (its copy may be
+        Deferred: `materialize` it off vLLM's step)."""
         with self.lock:
             for n in sorted({n for n, _ in self.prefixes if n < len(tokens)}, reverse=True):
                 got = self.prefixes.get((n, tuple(tokens[:n])))

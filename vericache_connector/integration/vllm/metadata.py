@@ -29,3 +29,4 @@ class SaveSpec:
 class VeriCacheMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    idle: bool = False  # vLLM runs no forward this step (every request it holds waits for its KV)

@@ -49,7 +49,7 @@ from ...compressors import CompressedKV
 from ...draft import DraftConfig, make_draft_cache
 from .chains import BRANCH_P, MAX_BRANCHES, Chain, Group, common
 from .draft_model import DraftModel, UnsupportedModel
-from .handoff import DraftHandoff, find_handoff
+from .handoff import Deferred, DraftHandoff, find_handoff, materialize
 from .pacing import DraftPacer, TargetGate, new_estimate
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
@@ -82,6 +82,7 @@ class CompressedKVProposer:
         self._next_id = 0
         self._lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
         self._building: set[tuple[int, int]] = set()  # (prefix length, hash) of draft caches being built
+        self._sighted: OrderedDict[tuple[int, int], bool] = OrderedDict()  # matched once: built at the next step
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.handoff: DraftHandoff | None = None
@@ -327,11 +328,16 @@ class CompressedKVProposer:
         if found is None:
             return None
         # A copy posted without a pre-draft (a fast load): its draft cache is built on a thread of its own,
-        # not in this call, which vLLM's step (and the request's first token) waits for; drafts from the next
-        # step on.
+        # not in this call, which vLLM's step waits for; and from the request's second step on, so that the
+        # build (and the cut of a Deferred copy) does not take the cores while its first token goes out.
         key = (found[0], hash(tuple(row[: found[0]])))
         with self._lock:
             if key in self._building:
+                return None
+            if self._sighted.pop(key, None) is None:
+                self._sighted[key] = True
+                while len(self._sighted) > MAX_GROUPS:
+                    self._sighted.popitem(last=False)
                 return None
             self._building.add(key)
 
@@ -345,10 +351,10 @@ class CompressedKVProposer:
         threading.Thread(target=build, name="vericache-draft-cache", daemon=True).start()
         return None
 
-    def _new_group(self, tokens: list[int], prefix_len: int, compressed: CompressedKV) -> Chain | None:
+    def _new_group(self, tokens: list[int], prefix_len: int, compressed: CompressedKV | Deferred) -> Chain | None:
         room = min(self.max_len - prefix_len, len(tokens) - prefix_len + CACHE_ROOM)
         try:
-            cache = make_draft_cache(self.draft, [compressed], room, self.draft_cfg)
+            cache = make_draft_cache(self.draft, [materialize(compressed)], room, self.draft_cfg)
         except Exception as e:  # noqa: BLE001 - a copy that does not fit: no drafts for it
             logger.warning("VeriCache proposer: compressed copy unusable (%s: %s)", type(e).__name__, e)
             return None

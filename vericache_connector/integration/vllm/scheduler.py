@@ -120,7 +120,7 @@ class VeriCacheConnectorScheduler:
             self._repair.discard(rid)
 
     def build_connector_meta(self, scheduler_output) -> VeriCacheMetadata:
-        meta = VeriCacheMetadata(loads=list(self._loads.values()))
+        meta = VeriCacheMetadata(loads=list(self._loads.values()), idle=not scheduler_output.total_num_scheduled_tokens)
         self._loads.clear()
         progress: dict[str, tuple[int, list[int] | None]] = {}
         for r in scheduler_output.scheduled_new_reqs:

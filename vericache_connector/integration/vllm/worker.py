@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 
@@ -29,13 +30,17 @@ from ...compressors.split16 import COMPLEMENT, Split16Compressor, digest
 from ...remote.config import RemoteCacheConfig
 from ...remote.full_copy import stream_full_copy
 from ...remote.store_client import StoreClient
-from .handoff import DraftHandoff
+from .handoff import Deferred, DraftHandoff
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
 
 logger = init_logger("vllm.vericache")
 SAVE_TIMEOUT_S = 30.0  # a whole prefix written (at least the store timeout)
 PROBE_LAYERS = 5  # the first split load measures the link on this many layers of the upper halves
+# A step without a forward (every request waits for its KV) waits up to this long for a load to end before it
+# answers: vLLM repeats such steps back to back, and each one takes the worker's GIL and a core from the load
+# and the pre-draft. A load that ends wakes it at once; a request that arrives meanwhile waits at most this.
+IDLE_WAIT_S = 0.02
 
 
 class VeriCacheConnectorWorker:
@@ -54,8 +59,10 @@ class VeriCacheConnectorWorker:
         self.split = isinstance(self.compressor, Split16Compressor)  # the compressed copy is half of the full
         self.handoff = handoff
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._done_loading: set[str] = set()
+        self._loading = 0  # loads in flight
+        self._idle_step = False  # the step being run has no forward (its metadata says)
         self._failed_blocks: set[int] = set()
         self._compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
 
@@ -79,6 +86,9 @@ class VeriCacheConnectorWorker:
         self._views = [kv_views(t, self.num_kv_heads, self.head_dim) for _, t in named]
 
     def start_load_kv(self, meta: VeriCacheMetadata) -> None:
+        with self._lock:
+            self._loading += len(meta.loads)
+            self._idle_step = meta.idle
         for spec in meta.loads:
             self.client.submit(self._load(spec))
 
@@ -92,6 +102,9 @@ class VeriCacheConnectorWorker:
 
     def get_finished(self) -> set[str] | None:
         with self._lock:
+            if self._idle_step and self._loading and not self._done_loading:  # IDLE_WAIT_S
+                self._lock.wait(IDLE_WAIT_S)
+            self._idle_step = False
             done, self._done_loading = self._done_loading, set()
         return done or None
 
@@ -138,17 +151,19 @@ class VeriCacheConnectorWorker:
         split = self._split_load(n)
         drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0))
         streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        cut = False  # the proposer's copy is cut from a streamed full copy (none posted for this prefix yet)
 
         def put(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             kv, vv = self._views[layer]
             scatter_tokens(kv, ids, k[:, lo:n])
             scatter_tokens(vv, ids, v[:, lo:n])
-            if self._split_drafter and not split:  # the full copy streamed: the proposer's copy is cut from it
+            if cut:  # the full copy streamed: the proposer's copy is cut from it
                 streamed[layer] = (k, v)
 
         try:
             split = split and await self._load_split(spec, put, loaded, when, t0)
             if not split:
+                cut = self._split_drafter and not self.handoff.has(spec.prefix)
                 await stream_full_copy(
                     self.client.store,
                     spec.prefix,
@@ -177,12 +192,15 @@ class VeriCacheConnectorWorker:
             loaded.set()
             with self._lock:
                 self._done_loading.add(spec.req_id)
+                self._loading -= 1
+                self._lock.notify_all()
             await asyncio.gather(drafting, return_exceptions=True)
-        # split16 on a fast store: no compressed copy fetched; the proposer's is cut from the streamed KV, after
-        if self._split_drafter and not split and len(streamed) == len(self._views):  # the request was reported
-            kv = [streamed[i] for i in range(len(self._views))]  # loaded: for the drafts once vLLM runs it
+        # split16 on a fast store: no compressed copy fetched; the proposer's is cut from the streamed KV, by
+        # the proposer's draft-cache thread once the request runs (Deferred): not beside vLLM's first step
+        if cut and len(streamed) == len(self._views):
+            kv = [streamed[i] for i in range(len(self._views))]
             pre = PrefixKV([k for k, _ in kv], [v for _, v in kv])
-            self.handoff.post(spec.prefix, await asyncio.to_thread(self.compressor.compress, pre))
+            self.handoff.post(spec.prefix, Deferred(functools.partial(self.compressor.compress, pre)))
 
     def _split_load(self, n: int) -> bool:
         """Load split16's halves (hi first, for the proposer's pre-draft) instead of streaming the full copy:
