@@ -61,16 +61,16 @@ def kivi_split(num_tokens: int, group: int, min_residual: int = 0) -> int:
     return max(0, (num_tokens - min_residual) // group * group)
 
 
-def _quantize_lastdim(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric quantization over the last dim of x (float32 [..., n, G]) -> codes, scale16, mn16."""
+def _quantize_along(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of x (float32) over `dim` -> codes (x's shape), scale16, mn16 (dim kept, size 1).
+    Reduced along whichever dim the group runs in, so neither keys nor values are transposed for it."""
     levels = (1 << bits) - 1
-    mn16 = _fp16_round_down(x.amin(-1, keepdim=True))
+    mn16 = _fp16_round_down(x.amin(dim, keepdim=True))
     mn = mn16.float()
-    scale16 = _fp16_round_up((x.amax(-1, keepdim=True) - mn) / levels)
-    scale = scale16.float()
-    div = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = torch.round((x - mn) / div).clamp_(0, levels).to(torch.uint8)
-    return codes, scale16.squeeze(-1), mn16.squeeze(-1)
+    scale16 = _fp16_round_up((x.amax(dim, keepdim=True) - mn) / levels)
+    div = scale16.float().masked_fill_(scale16 == 0, 1.0)
+    codes = (x - mn).div_(div).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale16, mn16
 
 
 def kivi_quantize_keys(k: torch.Tensor, bits: int, group: int):
@@ -81,11 +81,9 @@ def kivi_quantize_keys(k: torch.Tensor, bits: int, group: int):
         raise ValueError(f"key token count {t} is not a multiple of group {group} (use kivi_split)")
     if d % pad_multiple(bits):
         raise ValueError(f"head dim {d} does not pack into bytes at {bits} bits")
-    # [..., T//G, G, D] -> quantize along the G tokens: put them last
-    x = k.float().reshape(*lead, t // group, group, d).transpose(-1, -2)  # [..., T//G, D, G]
-    codes, scale, mn = _quantize_lastdim(x, bits)
-    codes = codes.transpose(-1, -2).reshape(*lead, t, d)
-    return pack_bits_ref(codes, bits), scale, mn
+    # [..., T//G, G, D]: quantize along the G tokens of each group
+    codes, scale, mn = _quantize_along(k.float().reshape(*lead, t // group, group, d), -2, bits)
+    return pack_bits_ref(codes.reshape(*lead, t, d), bits), scale.squeeze(-2), mn.squeeze(-2)
 
 
 def kivi_quantize_values(v: torch.Tensor, bits: int, group: int):
@@ -96,8 +94,8 @@ def kivi_quantize_values(v: torch.Tensor, bits: int, group: int):
         raise ValueError(f"value head dim {d} is not a multiple of group {group}")
     if d % pad_multiple(bits):
         raise ValueError(f"head dim {d} does not pack into bytes at {bits} bits")
-    codes, scale, mn = _quantize_lastdim(v.float().reshape(*lead, t, d // group, group), bits)
-    return pack_bits_ref(codes.reshape(*lead, t, d), bits), scale, mn
+    codes, scale, mn = _quantize_along(v.float().reshape(*lead, t, d // group, group), -1, bits)
+    return pack_bits_ref(codes.reshape(*lead, t, d), bits), scale.squeeze(-1), mn.squeeze(-1)
 
 
 def _head_dim(packed: torch.Tensor, bits: int) -> int:
