@@ -68,8 +68,9 @@ def group_query_scores(obs: Tensor, keys: Tensor) -> Tensor:
     hk, t, _ = keys.shape
     g = hq // hk
     q = obs.float().reshape(hk, g * w, d)
-    logits = q @ keys.float().transpose(1, 2) / math.sqrt(d)  # [H_kv, g*W, T]
-    pos = torch.arange(t, device=keys.device)
+    logits = (q @ keys.float().transpose(1, 2)).div_(math.sqrt(d))  # [H_kv, g*W, T]
+    lo = max(0, t - w)  # only the window's own keys lie in a query's future: mask those columns alone
+    pos = torch.arange(lo, t, device=keys.device)
     qpos = (t - w + torch.arange(w, device=keys.device)).repeat(g)  # query w sits at T-W+w
-    logits = logits.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+    logits[..., lo:].masked_fill_(pos[None, None, :] > qpos[None, :, None], float("-inf"))
     return logits.softmax(-1).sum(1)
