@@ -99,9 +99,13 @@ def parse_args(argv=None):
     p.add_argument("--draft-dtype", default="float16", help="the draft pool's dtype (float32: complement reloads)")
     p.add_argument(
         "--fallback",
-        action="store_true",
+        nargs="?",
+        const="on",
+        choices=["on", "both"],
+        default=None,
         help="VeriCache runs ask the capacity model (engine/capacity.py, with this CPU's figures calibrated from "
-        "the budget's full-KV run and --alpha as the acceptance) and serve full KV where it predicts a loss",
+        "the budget's full-KV run and --alpha as the acceptance) and serve full KV where it predicts a loss; "
+        "'both': each VeriCache row runs without the model, then with it (its prediction and what it served)",
     )
     args = p.parse_args(argv)
     if not 0 < args.min_tokens <= args.max_tokens:
@@ -286,15 +290,23 @@ def main(argv=None) -> int:
             if kind == "link" and policy != "vericache":  # only VeriCache uses the link: its baseline is the budget row
                 continue
             label = f"{kind} {frac:g}{'' if rate is None else f' @ {rate:g}/s'}{'' if link is None else f' {link:g} GB/s'} {policy}"
-            hw = None
-            if args.fallback and policy == "vericache":  # the CPU's figures from this budget's full-KV run
-                base = next((r for r in rows if r["policy"] == "full" and r["budget_fraction"] == frac), None)
-                hw = None if base is None else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops)
-            row = run_one(model, policy, int(frac * demand), args, reqs, refs, store, label, link, hw)
-            row.update(sweep=kind, budget_fraction=frac, rate=rate)
-            rows.append(row)
-            print(fmt_row(row), file=sys.stderr)
-            write(out, rows, args, context, complete=False)  # after every row: a crash keeps what was measured
+            modes = [False]
+            if policy == "vericache" and args.fallback:
+                modes = [False, True] if args.fallback == "both" else [True]
+            for planned in modes:
+                hw = None
+                if planned:  # the CPU's figures from this budget's full-KV run
+                    base = next((r for r in rows if r["policy"] == "full" and r["budget_fraction"] == frac), None)
+                    hw = (
+                        None
+                        if base is None
+                        else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops)
+                    )
+                row = run_one(model, policy, int(frac * demand), args, reqs, refs, store, label, link, hw)
+                row.update(sweep=kind, budget_fraction=frac, rate=rate, capacity_model=hw is not None)
+                rows.append(row)
+                print(fmt_row(row), file=sys.stderr)
+                write(out, rows, args, context, complete=False)  # after every row: a crash keeps what was measured
     doc = write(out, rows, args, context, complete=True)
     plot(rows, out, args)
     print(table(rows, args, demand, prefill_s, cmd))
@@ -434,6 +446,8 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
             "mean_accepted": r["mean_accepted"],
             "load_avg": r["load_avg"],
             "served_policy": r.get("served_policy", r["policy"]),
+            "capacity_model": r.get("capacity_model", False),
+            "predicted_speedup": r.get("predicted_speedup"),
         }
         for r in rows
     ]
@@ -458,10 +472,18 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
 
 def fmt_row(r) -> str:
     return (
-        f"{r['sweep']} {r['budget_fraction']:g} rate {r['rate']} {r['policy']}: {r['tokens_per_s']:.2f} tok/s, "
+        f"{r['sweep']} {r['budget_fraction']:g} rate {r['rate']} {policy_label(r)}: {r['tokens_per_s']:.2f} tok/s, "
         f"identical {r['identical_n']}/{r['requests']}, concurrent {r['max_concurrent']}, "
         f"accepted/verify {r['mean_accepted']:.2f}, link {r['link_utilization']:.0%}"
     )
+
+
+def policy_label(r) -> str:
+    """vericache rows asked the capacity model: its predicted speedup and what it served."""
+    if not r.get("capacity_model"):
+        return r["policy"]
+    pred = r.get("predicted_speedup")
+    return f"{r['policy']} + capacity model ({'-' if pred is None else f'{pred:.2f}x'}: served {r['served_policy']})"
 
 
 def table(rows, args, demand, prefill_s, cmd) -> str:
@@ -482,7 +504,7 @@ def table(rows, args, demand, prefill_s, cmd) -> str:
         ratio = "-" if r["ratio_vs_full"] is None else f"{r['ratio_vs_full']:.2f}"
         lines.append(
             f"| {r['sweep']} | {r['budget_fraction']:g} | {'-' if r['rate'] is None else r['rate']} | "
-            f"{r['link_gbps'] if r['policy'] == 'vericache' else '-'} | {r['policy']} | "
+            f"{r['link_gbps'] if r['policy'] == 'vericache' else '-'} | {policy_label(r)} | "
             f"{r['tokens_per_s']:.2f} | {ratio} | {'yes' if r['identical'] else 'NO'} {r['identical_n']}/{r['requests']} | "
             f"{r['max_concurrent']} | {r['mean_latency_s']:.1f} | {r['p90_latency_s']:.1f} | {r['mean_ttft_s']:.1f} | "
             f"{r['mean_accepted']:.2f} | {r['link_utilization']:.0%} | {r['peak_resident_bytes'] / 2**20:.0f} | "
@@ -506,11 +528,15 @@ def plot(rows, out: Path, args) -> None:
         if not sel:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for policy in args.policies:
-            pts = sorted((r[xkey], r) for r in sel if r["policy"] == policy)
+        for policy, planned in dict.fromkeys((r["policy"], r.get("capacity_model", False)) for r in sel):
+            pts = sorted(
+                ((r[xkey], r) for r in sel if (r["policy"], r.get("capacity_model", False)) == (policy, planned)),
+                key=lambda p: p[0],
+            )
             xs = [x for x, _ in pts]
-            axes[0].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=policy)
-            axes[1].plot(xs, [r["mean_latency_s"] for _, r in pts], marker="o", label=policy)
+            name = policy + (" + capacity model" if planned else "")
+            axes[0].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=name)
+            axes[1].plot(xs, [r["mean_latency_s"] for _, r in pts], marker="o", label=name)
         axes[0].set_ylabel("output tokens/s")
         axes[1].set_ylabel("mean latency (s)")
         for ax in axes:

@@ -33,6 +33,7 @@ def row(policy, sweep="budget", link=0.5, tps=10.0, load=0.3):
         "decode_step_s": 0.0,
         "link_wait_s": 0.0,
         "idle_s": 0.0,
+        "served_policy": policy,
     }
 
 
@@ -52,3 +53,19 @@ def test_summary_carries_link_and_load_average(tmp_path):
     assert all(r["load_avg"] == 0.3 for r in doc["summary"]) and len(doc["load_avg"]) == 3
     assert "EMULATED" in doc["proxy"] and "byte cap" in doc["proxy"]
     assert "EMULATED" in (tmp_path / "table.md").read_text()
+
+
+def test_capacity_model_rows_say_what_it_predicted_and_served(tmp_path):
+    """--fallback both: a VeriCache row run as measured and one the capacity model served, told apart."""
+    mod = load_benchmark("serving")
+    args = argparse.Namespace(
+        link_gbps=0.5, links=[], requests=6, min_tokens=4096, max_tokens=8192, new=64, compressor="kivi4", k_max=64
+    )
+    planned = {**row("vericache", tps=9.9), "capacity_model": True, "predicted_speedup": 0.8, "served_policy": "full"}
+    rows = [row("full", tps=10.0), row("vericache", tps=7.0), planned]
+    ctx = dict(demand=1, prompts=[[1] * 5000], prefill_s=[1.0], cmd="python benchmarks/serving.py", threads=1)
+    mod.write(tmp_path, rows, args, ctx, complete=True)
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert [(r["capacity_model"], r["served_policy"]) for r in summary[1:]] == [(False, "vericache"), (True, "full")]
+    assert summary[2]["predicted_speedup"] == 0.8 and abs(summary[2]["ratio_vs_full"] - 0.99) < 1e-9
+    assert "vericache + capacity model (0.80x: served full)" in (tmp_path / "table.md").read_text()
