@@ -184,6 +184,8 @@ def run_one(model, policy, budget, args, reqs, refs, store, label, link_gbps=Non
         accepted_per_request={r.request_id: r.accepted for r in rep.requests} if policy == "vericache" else {},
         served_policy=rep.served_policy,
         predicted_speedup=None if rep.prediction is None else rep.prediction["speedup"],
+        prediction=rep.prediction,
+        hardware=None if hardware is None else vars(hardware),
         identical=same == len(reqs),
         max_concurrent=max_concurrency(rep),
     )
@@ -205,9 +207,10 @@ def cpu_flops(model) -> float:
     return 2 * params * len(ids) / (time.perf_counter() - t) if torch.get_num_threads() else 1e12
 
 
-def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops: float):
+def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops: float, rates: tuple[float, float]):
     """engine.capacity.Hardware of this CPU: memory bandwidth from a full-KV run's decode steps (weights + its rows'
-    KV read per step), FLOP/s timed, the emulated link (the budget is the run's: mem_bytes unused)."""
+    KV read per step), FLOP/s timed, the attention kernels' rates timed (engine/calibrate.py), the emulated link
+    (the budget is the run's: mem_bytes unused)."""
     from vericache_connector.engine.capacity import Hardware
 
     steps = max(1, full_row["steps"])
@@ -216,7 +219,9 @@ def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops:
     kv = model.cfg.kv_bytes_per_token(model.dtype.itemsize)
     rows = max(1, full_row["max_concurrent"])
     bw = (weights + rows * ctx * kv) / (full_row["decode_step_s"] / steps)
-    return Hardware("CPU (calibrated)", bw, flops, 0.0, link_bytes_per_s)
+    return Hardware(
+        "CPU (calibrated)", bw, flops, 0.0, link_bytes_per_s, attn_flops=rates[0], draft_attn_flops=rates[1]
+    )
 
 
 def max_concurrency(rep) -> int:
@@ -278,6 +283,14 @@ def main(argv=None) -> int:
         run_one(model, policy, None, args, warm, {r.request_id: [] for r in warm}, {}, f"warm-up {policy}")
     rows = []
     flops = cpu_flops(model) if args.fallback else None
+    rates = None
+    if args.fallback:  # the attention kernels as the VeriCache rows run them, timed at the trace's mean prompt
+        from vericache_connector.engine.calibrate import attention_rates
+        from vericache_connector.engine.config import ServingConfig
+
+        probe = ServingEngine(model, ServingConfig(compressor=args.compressor, draft_dtype=args.draft_dtype))
+        rates = attention_rates(probe, context=int(statistics.fmean(len(p) for p in prompts)))
+        print(f"attention on this CPU: dense {rates[0] / 1e9:.1f}, draft {rates[1] / 1e9:.1f} GFLOP/s", file=sys.stderr)
     grid = (
         [("budget", b, None, None) for b in args.budgets]
         + [("rate", args.rate_budget, r, None) for r in args.rates]
@@ -300,7 +313,7 @@ def main(argv=None) -> int:
                     hw = (
                         None
                         if base is None
-                        else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops)
+                        else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops, rates)
                     )
                 row = run_one(model, policy, int(frac * demand), args, reqs, refs, store, label, link, hw)
                 row.update(sweep=kind, budget_fraction=frac, rate=rate, capacity_model=hw is not None)

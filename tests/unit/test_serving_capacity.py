@@ -38,6 +38,38 @@ def test_prediction_by_hand():
         C.predict(HW, WL, 0.0, 0.5)
 
 
+def test_attention_arithmetic_counts_where_the_hardware_says_it_costs():
+    """Attention rates (a CPU's): a verification's x + 1 queries over the prompt and the drafts' queries over the
+    compressed KV add compute time; a token dropper's drafts attend its kept share only. Defaults (None): the
+    GEMM's rate, which leaves a GPU's memory-bound prediction as it was."""
+    pair = 4 * 8 * 128 * 4  # 4 Hq D L
+    wl = C.Workload(2e9, 1e9, 2000, 4, 500_000, 4.5e9, attn_flops_per_pair=pair)
+    assert C.predict(HW, wl, 0.25, 0.9).speedup == pytest.approx(C.predict(HW, WL, 0.25, 0.9).speedup)
+    cpu = C.Hardware("cpu", 1e12, 1e18, 1e12, 1e15, attn_flops=1e12, draft_attn_flops=1e11)
+    p = C.predict(cpu, wl, 0.25, alpha=0.0)  # x = 1: 16 rows, 16 verifying with 2 queries each
+    assert p.full_step_s == pytest.approx(max(6e-3, 2e9 * 4 / 1e18 + pair * 4 * 500_000 / 1e12))
+    dense, draft = 16 * 2 * 500_000 * pair / 1e12, 16 * 500_000 * pair / 1e11
+    assert p.vc_step_s == pytest.approx(2e9 * 48 / 1e18 + dense + draft)
+    dropped = C.predict(cpu, wl, 0.25, alpha=0.0, draft_keys=0.25)
+    assert dropped.vc_step_s == pytest.approx(2e9 * 48 / 1e18 + dense + draft / 4)
+    with pytest.raises(ValueError, match="draft_keys"):
+        C.predict(cpu, wl, 0.25, 0.5, draft_keys=0.0)
+
+
+@pytest.mark.parametrize("compressor", ["kivi4", "snapkv-4x"])
+def test_attention_rates_time_the_kernels_the_engine_runs(tiny, compressor):
+    """engine/calibrate.py: FLOP/s equivalents of a verification's dense attention and of a draft step's
+    attention over the compressed prompt as the pools hold it (packed KIVI codes; kept float16 entries)."""
+    from vericache_connector.engine.calibrate import attention_rates
+
+    eng = ServingEngine(tiny[0].model, ServingConfig(compressor=compressor))
+    assert (eng.packed is not None) == (compressor == "kivi4")
+    dense, draft = attention_rates(eng, context=600, verify_queries=4, rows=2, repeat=1)
+    assert 1e6 < dense < 1e15 and 1e6 < draft < 1e15
+    with pytest.raises(ValueError, match="context"):
+        attention_rates(eng, context=0)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     eng = tiny_engine(num_layers=4)

@@ -3,8 +3,13 @@ hardware, for this trace and this drafter? The serving engine asks it before a V
 (ServingConfig.hardware: where it predicts a loss, the trace is served with full KV), and
 benchmarks/capacity_model.py / cost_model.py --serving print it for GPUs.
 
-A forward costs the roofline pass(bytes, tokens) = max((W + bytes) / HBM, 2 P tokens / FLOP/s), over `devices`
-tensor-parallel devices. With context T, full KV bytes per token kv, a device KV budget H:
+A forward costs the roofline pass = max((W + bytes) / HBM, 2 P tokens / FLOP/s + attention) over `devices`
+tensor-parallel devices, attention = f (dense pairs / attn FLOP/s + draft pairs / draft-attn FLOP/s): f = 4 Hq D L
+FLOPs per (query, key) pair over the L layers, dense pairs over float KV (a verification's x + 1 queries over the
+whole prompt, a full-KV row's one), draft pairs over the compressed KV as the draft pool holds it (dequantizing
+packed codes included). On a GPU attention is memory-bound and its bytes are in the first term (the attention
+rates default to the GEMM's); on a CPU its arithmetic is the cost, so engine/calibrate.py times the kernels.
+With context T, full KV bytes per token kv, a device KV budget H:
 
     full       B_f = floor(H / (T kv))   rows;  step_f = pass(B_f T kv, B_f);  thr_f = B_f / step_f
     VeriCache  B_v = floor((H - S) / (c T kv))   rows (c: resident compressed bytes / full bytes, S: a staging
@@ -32,6 +37,8 @@ class Hardware:
     mem_bytes: float  # device memory, per device
     link_bytes_per_s: float  # effective host link, per device
     devices: int = 1  # tensor parallel
+    attn_flops: float | None = None  # attention over float KV, FLOP/s (None: flops)
+    draft_attn_flops: float | None = None  # attention over the draft pool's compressed KV (None: attn_flops)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class Workload:
     budget_bytes: float  # device KV budget (all devices)
     max_rows: int = 256  # requests available (a trace has no more)
     k_max: int = 64
+    attn_flops_per_pair: float = 0.0  # 4 Hq D L: one query against one key, every layer (0: no attention term)
 
 
 @dataclass
@@ -64,9 +72,12 @@ class Prediction:
         return math.inf if self.vc_tokens_per_s else 0.0
 
 
-def pass_s(hw: Hardware, wl: Workload, kv_bytes: float, tokens: int) -> float:
+def pass_s(hw: Hardware, wl: Workload, kv_bytes: float, tokens: float, dense: float = 0.0, draft: float = 0.0) -> float:
+    """One forward: kv_bytes of KV read, `tokens` through the weights, dense / draft (query, key) pairs attended."""
     mem = (wl.weight_bytes + kv_bytes) / (hw.mem_bytes_per_s * hw.devices)
-    return max(mem, 2 * wl.params * tokens / (hw.flops * hw.devices))
+    attn = hw.attn_flops or hw.flops
+    attention = wl.attn_flops_per_pair * (dense / attn + draft / (hw.draft_attn_flops or attn))
+    return max(mem, (2 * wl.params * tokens / hw.flops + attention) / hw.devices)
 
 
 def expected_tokens(alpha: float, x: int) -> float:
@@ -93,15 +104,18 @@ def predict(
     alpha: float,
     reload_fraction: float = 1.0,
     staging_layers: int = 2,
+    draft_keys: float = 1.0,
 ) -> Prediction:
-    """Full KV against VeriCache on this hardware (see the module docstring)."""
-    if not 0 < compression <= 1 or not 0 <= alpha <= 1 or not 0 <= reload_fraction <= 1:
+    """Full KV against VeriCache on this hardware (see the module docstring); draft_keys: the fraction of the
+    context a draft query attends (a token dropper's kept share; 1 for a quantizer)."""
+    if not (0 < compression <= 1 and 0 <= alpha <= 1 and 0 <= reload_fraction <= 1 and 0 < draft_keys <= 1):
         raise ValueError(
-            f"need 0 < compression <= 1, 0 <= alpha, reload_fraction <= 1; got {compression}, {alpha}, {reload_fraction}"
+            f"need 0 < compression <= 1, 0 <= alpha, reload_fraction <= 1, 0 < draft_keys <= 1; got {compression}, "
+            f"{alpha}, {reload_fraction}, {draft_keys}"
         )
     kv_req = wl.context * wl.kv_bytes_per_token
     rows_f = min(wl.max_rows, int(wl.budget_bytes // kv_req))
-    step_f = pass_s(hw, wl, rows_f * kv_req, max(1, rows_f))
+    step_f = pass_s(hw, wl, rows_f * kv_req, max(1, rows_f), dense=rows_f * wl.context)
     thr_f = rows_f / step_f if rows_f else 0.0
     staging = kv_req * reload_fraction * staging_layers / wl.num_layers
     rows_v = min(wl.max_rows, int(max(0.0, wl.budget_bytes - staging) // (compression * kv_req)))
@@ -111,7 +125,12 @@ def predict(
     for x in range(1, wl.k_max + 1):
         verifying = rows_v / x
         step_v = pass_s(
-            hw, wl, rows_v * compression * kv_req + verifying * kv_req, max(1, int(rows_v + verifying * (x + 1)))
+            hw,
+            wl,
+            rows_v * compression * kv_req + verifying * kv_req,
+            max(1, int(rows_v + verifying * (x + 1))),
+            dense=verifying * (x + 1) * wl.context,
+            draft=rows_v * draft_keys * wl.context,
         )
         can = rows_v / (x * step_v) if rows_v else 0.0
         thr = min(can, reloads) * expected_tokens(alpha, x)

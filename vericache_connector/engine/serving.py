@@ -234,12 +234,11 @@ class ServingEngine:
         ctx = statistics.fmean(len(r.prompt_ids) + r.max_new_tokens / 2 for r in trace)
         full = self.full_bytes_per_token
         draft = mc.kv_bytes_per_token(getattr(torch, cfg.draft_dtype).itemsize) / full
+        keys = self.compressor.keep_count(int(ctx)) / ctx if hasattr(self.compressor, "keep_count") else 1.0
         if self.packed is not None:
             c = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs) / (bs * full)
-        elif hasattr(self.compressor, "keep_count"):
-            c = self.compressor.keep_count(int(ctx)) / ctx * draft
         else:
-            c = draft
+            c = keys * draft
         r = 1 - self.compressor.keep_count(int(ctx)) / ctx if self.complement else 1.0
         params = sum(p.numel() for p in self.model.parameters())
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -249,8 +248,9 @@ class ServingEngine:
             else sum(full * (len(t.prompt_ids) + t.max_new_tokens) for t in trace)
         )
         k_max = max(1, min(cfg.k_max, max(r.max_new_tokens for r in trace)))  # no round drafts past the output
-        wl = capacity.Workload(weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max)
-        return capacity.predict(cfg.hardware, wl, min(1.0, c), cfg.alpha_prior, r)
+        pair = 4 * mc.num_heads * mc.head_dim * mc.num_layers  # FLOPs of one query against one key
+        wl = capacity.Workload(weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max, pair)
+        return capacity.predict(cfg.hardware, wl, min(1.0, c), cfg.alpha_prior, r, draft_keys=min(1.0, keys))
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
