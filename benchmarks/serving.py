@@ -105,7 +105,8 @@ def parse_args(argv=None):
         default=None,
         help="VeriCache runs ask the capacity model (engine/capacity.py, with this CPU's figures calibrated from "
         "the budget's full-KV run and --alpha as the acceptance) and serve full KV where it predicts a loss; "
-        "'both': each VeriCache row runs without the model, then with it (its prediction and what it served)",
+        "'both': each VeriCache row runs without the model, then with it, given the acceptance that row measured "
+        "(its prediction and what it served)",
     )
     args = p.parse_args(argv)
     if not 0 < args.min_tokens <= args.max_tokens:
@@ -152,18 +153,21 @@ def trace(prompts, new: int, rate: float | None, seed: int):
     return out
 
 
-def run_one(model, policy, budget, args, reqs, refs, store, label, link_gbps=None, hardware=None):
+def run_one(
+    model, policy, budget, args, reqs, refs, store, label, link_gbps=None, hardware=None, prefill_s=0.0, alpha=None
+):
     from vericache_connector.engine.config import ServingConfig
     from vericache_connector.engine.serving import ServingEngine
 
     cfg = ServingConfig(
         hardware=hardware,
+        prefill_s=prefill_s,
         policy=policy,
         budget_bytes=budget,
         compressor=args.compressor,
         k_max=args.k_max,
         link_bytes_per_s=(link_gbps or args.link_gbps) * 1e9,
-        alpha_prior=args.alpha,
+        alpha_prior=args.alpha if alpha is None else alpha,
         draft_dtype=args.draft_dtype,
     )
     total = sum(r.max_new_tokens for r in reqs)
@@ -283,14 +287,19 @@ def main(argv=None) -> int:
         run_one(model, policy, None, args, warm, {r.request_id: [] for r in warm}, {}, f"warm-up {policy}")
     rows = []
     flops = cpu_flops(model) if args.fallback else None
-    rates = None
+    rates, pre_s = None, 0.0
     if args.fallback:  # the attention kernels as the VeriCache rows run them, timed at the trace's mean prompt
-        from vericache_connector.engine.calibrate import attention_rates
+        from vericache_connector.engine.calibrate import attention_rates, prefill_seconds
         from vericache_connector.engine.config import ServingConfig
 
         probe = ServingEngine(model, ServingConfig(compressor=args.compressor, draft_dtype=args.draft_dtype))
-        rates = attention_rates(probe, context=int(statistics.fmean(len(p) for p in prompts)))
-        print(f"attention on this CPU: dense {rates[0] / 1e9:.1f}, draft {rates[1] / 1e9:.1f} GFLOP/s", file=sys.stderr)
+        ctx_mean = int(statistics.fmean(len(p) for p in prompts))
+        rates, pre_s = attention_rates(probe, context=ctx_mean), prefill_seconds(probe, context=ctx_mean)
+        print(
+            f"attention on this CPU: dense {rates[0] / 1e9:.1f}, draft {rates[1] / 1e9:.1f} GFLOP/s; a VeriCache "
+            f"prefill adds {pre_s:.2f} s",
+            file=sys.stderr,
+        )
     grid = (
         [("budget", b, None, None) for b in args.budgets]
         + [("rate", args.rate_budget, r, None) for r in args.rates]
@@ -307,7 +316,7 @@ def main(argv=None) -> int:
             if policy == "vericache" and args.fallback:
                 modes = [False, True] if args.fallback == "both" else [True]
             for planned in modes:
-                hw = None
+                hw, alpha = None, None
                 if planned:  # the CPU's figures from this budget's full-KV run
                     base = next((r for r in rows if r["policy"] == "full" and r["budget_fraction"] == frac), None)
                     hw = (
@@ -315,8 +324,29 @@ def main(argv=None) -> int:
                         if base is None
                         else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops, rates)
                     )
-                row = run_one(model, policy, int(frac * demand), args, reqs, refs, store, label, link, hw)
-                row.update(sweep=kind, budget_fraction=frac, rate=rate, capacity_model=hw is not None)
+                    if len(modes) == 2 and rows[-1].get("alpha"):  # the acceptance the row just run measured
+                        alpha = min(0.999, rows[-1]["alpha"])
+                row = run_one(
+                    model,
+                    policy,
+                    int(frac * demand),
+                    args,
+                    reqs,
+                    refs,
+                    store,
+                    label,
+                    link,
+                    hw,
+                    pre_s if hw else 0.0,
+                    alpha,
+                )
+                row.update(
+                    sweep=kind,
+                    budget_fraction=frac,
+                    rate=rate,
+                    capacity_model=hw is not None,
+                    capacity_alpha=(args.alpha if alpha is None else alpha) if hw is not None else None,
+                )
                 rows.append(row)
                 print(fmt_row(row), file=sys.stderr)
                 write(out, rows, args, context, complete=False)  # after every row: a crash keeps what was measured
@@ -461,6 +491,8 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
             "served_policy": r.get("served_policy", r["policy"]),
             "capacity_model": r.get("capacity_model", False),
             "predicted_speedup": r.get("predicted_speedup"),
+            "alpha": r.get("alpha"),
+            "capacity_alpha": r.get("capacity_alpha"),
         }
         for r in rows
     ]

@@ -47,13 +47,23 @@ def test_attention_arithmetic_counts_where_the_hardware_says_it_costs():
     assert C.predict(HW, wl, 0.25, 0.9).speedup == pytest.approx(C.predict(HW, WL, 0.25, 0.9).speedup)
     cpu = C.Hardware("cpu", 1e12, 1e18, 1e12, 1e15, attn_flops=1e12, draft_attn_flops=1e11)
     p = C.predict(cpu, wl, 0.25, alpha=0.0)  # x = 1: 16 rows, 16 verifying with 2 queries each
-    assert p.full_step_s == pytest.approx(max(6e-3, 2e9 * 4 / 1e18 + pair * 4 * 500_000 / 1e12))
-    dense, draft = 16 * 2 * 500_000 * pair / 1e12, 16 * 500_000 * pair / 1e11
-    assert p.vc_step_s == pytest.approx(2e9 * 48 / 1e18 + dense + draft)
+    # the linear layers read the weights (2 ms), then attention: 4 rows' KV (4 ms) or 4 queries' arithmetic
+    assert p.full_step_s == pytest.approx(2e-3 + max(4e-3, pair * 4 * 500_000 / 1e12))
+    dense, draft = 16 * 2 * 500_000 * pair / 1e12, 16 * 500_000 * pair / 1e11  # both far above 20 ms of KV reads
+    assert p.vc_step_s == pytest.approx(2e-3 + dense + draft)
     dropped = C.predict(cpu, wl, 0.25, alpha=0.0, draft_keys=0.25)
-    assert dropped.vc_step_s == pytest.approx(2e9 * 48 / 1e18 + dense + draft / 4)
+    assert dropped.vc_step_s == pytest.approx(2e-3 + dense + draft / 4)
     with pytest.raises(ValueError, match="draft_keys"):
         C.predict(cpu, wl, 0.25, 0.5, draft_keys=0.0)
+
+
+def test_acceptance_of_a_trace_by_hand():
+    """The per-draft acceptance a report gives: accepted drafts over accepted + rounds cut short."""
+    from vericache_connector.engine.report import RequestRecord, acceptance
+
+    rec = lambda acc, drafted: RequestRecord("r", 1, 1, 0.0, 0.0, 0.0, 1.0, acc, [], 0, drafted)  # noqa: E731
+    assert acceptance([rec([3, 8], [8, 8]), rec([0], [4])]) == pytest.approx(11 / 13)
+    assert acceptance([rec([], [])]) is None
 
 
 @pytest.mark.parametrize("compressor", ["kivi4", "snapkv-4x"])
@@ -93,6 +103,8 @@ def test_the_engine_serves_full_kv_where_the_model_predicts_a_loss(tiny, link, s
     assert rep.policy == "vericache" and rep.served_policy == served
     assert (rep.prediction["speedup"] > 1) == (served == "vericache")
     assert (rep.verifications > 0) == (served == "vericache")
+    assert (rep.alpha is not None) == (served == "vericache") and (rep.alpha is None or 0 <= rep.alpha <= 1)
+    assert sum(len(r.drafted) for r in rep.requests) == rep.verifications
     with pytest.raises(ValueError, match="hardware must be an engine.capacity.Hardware"):
         ServingConfig(hardware="H200")
 

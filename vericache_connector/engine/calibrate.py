@@ -74,3 +74,29 @@ def attention_rates(
     else:
         draft = dense_case([keys] * rows, [1] * rows, getattr(torch, cfg.draft_dtype))
     return dense, pair * rows * keys / _timed(draft, repeat, dev)
+
+
+@torch.inference_mode()
+def prefill_seconds(engine, context: int = 4096, repeat: int = 2) -> float:
+    """What a VeriCache prefill adds to the prompt's forward, per request: every layer's compression into the draft
+    pool's form (PromptPlacer.draft_side; packed blocks re-laid) and the copy of its full KV to the host tier, on
+    random KV of the model's shapes. 0 for compressors that run the model on the prompt (kvpress presses): their
+    cost is a forward, not measured here."""
+    from .host_tier import to_host_blocks
+
+    if getattr(engine.placer, "press", False) or engine.compressor is None:
+        return 0.0
+    mc, dev, bs = engine.model.cfg, engine.model.device, engine.cfg.block_size
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(mc.num_kv_heads, context, mc.head_dim, generator=g).to(dev, engine.model.dtype) for _ in "kv")
+    obs = torch.randn(mc.num_heads, engine.cfg.obs_window, mc.head_dim, generator=g).to(dev, engine.model.dtype)
+    ids = torch.randint(0, mc.vocab_size, (context,), generator=g).tolist()
+    stored = context // bs * bs
+
+    def one_layer():
+        side, _ = engine.placer.draft_side(ids, 0, k, v, obs if engine.compressor.needs_queries else None)
+        if side[0] == "packed" and side[2]:
+            PP.to_blocks(engine.packed, {n: x for n, x in side[1].items() if not n.endswith("_tail")}, side[2], bs)
+        to_host_blocks(k, v, stored, bs, engine.model.dtype, False)
+
+    return mc.num_layers * _timed(one_layer, repeat, dev)

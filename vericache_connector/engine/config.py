@@ -52,6 +52,7 @@ class ServingConfig(DecodeSettings):
     # per-draft acceptance of the compressor)
     hardware: object | None = None
     fallback_margin: float = 0.0
+    prefill_s: float = 0.0  # what a VeriCache prefill adds per request on this hardware (engine/calibrate.py)
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,6 +85,8 @@ class ServingConfig(DecodeSettings):
             raise ValueError(f"hardware must be an engine.capacity.Hardware, got {self.hardware!r}")
         if not (math.isfinite(self.fallback_margin) and self.fallback_margin > -1):
             raise ValueError(f"fallback_margin must be a finite number > -1, got {self.fallback_margin!r}")
+        if not (math.isfinite(self.prefill_s) and self.prefill_s >= 0):
+            raise ValueError(f"prefill_s must be a finite number >= 0, got {self.prefill_s!r}")
         rate = self.link_bytes_per_s
         if rate is not None and not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"link_bytes_per_s must be a finite number > 0 or None, got {rate!r}")

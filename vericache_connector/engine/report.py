@@ -44,6 +44,7 @@ class RequestRecord:
     accepted: list[int]
     output: list[int] = field(repr=False)
     ngram_drafted: int = 0  # drafts from the n-gram source (ServingConfig.ngram)
+    drafted: list[int] = field(default_factory=list)  # drafts verified per verification
 
     @property
     def latency_s(self) -> float:
@@ -52,6 +53,14 @@ class RequestRecord:
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.arrival_s
+
+
+def acceptance(recs: list[RequestRecord]) -> float | None:
+    """The geometric model's per-draft acceptance from verified rounds (planner.AcceptanceEstimate without a
+    prior): each round accepted n of its k drafts, a rejection where n < k. None without a verification."""
+    rounds = [(n, k) for r in recs for n, k in zip(r.accepted, r.drafted)]
+    accepted, rejected = sum(n for n, _ in rounds), sum(n < k for n, k in rounds)
+    return accepted / (accepted + rejected) if accepted + rejected else None
 
 
 @dataclass
@@ -67,6 +76,7 @@ class ServingReport:
     mean_ttft_s: float
     verifications: int
     mean_accepted: float  # drafts accepted per verification
+    alpha: float | None  # per-draft acceptance of the trace's rounds: accepted / (accepted + rounds cut short)
     link_busy_s: float
     link_utilization: float
     link_max_concurrent: int
@@ -92,6 +102,7 @@ class ServingReport:
                 list(s.accepted),
                 list(s.output),
                 s.ngram_drafted,
+                list(s.drafted),
             )
             for s in seqs
         ]
@@ -111,6 +122,7 @@ class ServingReport:
             mean_ttft_s=statistics.fmean(r.ttft_s for r in recs),
             verifications=len(acc),
             mean_accepted=statistics.fmean(acc) if acc else 0.0,
+            alpha=acceptance(recs),
             link_busy_s=busy,
             link_utilization=busy / makespan,
             link_max_concurrent=link.max_active if link is not None else 0,

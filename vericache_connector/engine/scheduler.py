@@ -333,6 +333,7 @@ class Scheduler:
                 n, k = r.accepted, len(seq.drafts)
                 self.estimates.setdefault(seq.request_id, AcceptanceEstimate(self.cfg.alpha_prior)).update(n, k)
                 seq.accepted.append(n)
+                seq.drafted.append(k)
                 seq.full_len, seq.draft_len = seq.full_len + n + 1, seq.draft_len - k + n + 1
                 new = seq.drafts[:n] + [r.token]
                 seq.drafts, seq.draft_probs, seq.pending = [], [], r.token

@@ -87,6 +87,7 @@ class Sequence:
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q_i per draft (temperature > 0)
     horizon: int = 0  # drafts wanted before this round's verification
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verification
+    drafted: list[int] = field(default_factory=list)  # drafts verified per verification
     alpha: float | None = None  # estimated per-draft acceptance probability (VeriCache)
     blocks: dict[str, list[int]] = field(default_factory=dict)  # pool name -> block ids (resident)
     staging: list[int] = field(default_factory=list)  # full-pool blocks holding the reloaded prompt

@@ -249,8 +249,23 @@ class ServingEngine:
         )
         k_max = max(1, min(cfg.k_max, max(r.max_new_tokens for r in trace)))  # no round drafts past the output
         pair = 4 * mc.num_heads * mc.head_dim * mc.num_layers  # FLOPs of one query against one key
-        wl = capacity.Workload(weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max, pair)
-        return capacity.predict(cfg.hardware, wl, min(1.0, c), cfg.alpha_prior, r, draft_keys=min(1.0, keys))
+        # besides its compressed prompt a row holds (Scheduler.resident_blocks) its emitted tokens and a round's
+        # drafts in both pools, each pool's last block half empty on average
+        room = statistics.fmean(r.max_new_tokens for r in trace) + cfg.k_max + 2 + bs / 2
+        row = room * (full + draft * full * (not self.complement))
+        new = statistics.fmean(r.max_new_tokens for r in trace)
+        wl = capacity.Workload(
+            weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max, pair, row, new, cfg.prefill_s
+        )
+        return capacity.predict(
+            cfg.hardware,
+            wl,
+            min(1.0, c),
+            cfg.alpha_prior,
+            r,
+            staging_layers=cfg.staging_layers,
+            draft_keys=min(1.0, keys),
+        )
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
