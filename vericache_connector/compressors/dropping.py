@@ -68,7 +68,13 @@ def group_query_scores(obs: Tensor, keys: Tensor) -> Tensor:
     hk, t, _ = keys.shape
     g = hq // hk
     q = obs.float().reshape(hk, g * w, d)
-    logits = (q @ keys.float().transpose(1, 2)).div_(math.sqrt(d))  # [H_kv, g*W, T]
+    # one GEMM per KV head: a prefill's [H, T, D] keys are a view of [T, H, D], which a batched matmul reads
+    # 2.6x slower (13 vs 5 ms a 5.7k-token layer) where each head's [T, D] is a plain strided matrix
+    keys = keys.float()
+    logits = torch.empty(hk, g * w, t, device=keys.device)  # [H_kv, g*W, T]
+    for h in range(hk):
+        torch.mm(q[h], keys[h].t(), out=logits[h])
+    logits.div_(math.sqrt(d))
     lo = max(0, t - w)  # only the window's own keys lie in a query's future: mask those columns alone
     pos = torch.arange(lo, t, device=keys.device)
     qpos = (t - w + torch.arange(w, device=keys.device)).repeat(g)  # query w sits at T-W+w
