@@ -285,3 +285,18 @@ def test_complement_reload_moves_only_the_dropped_positions_and_stays_exact(tiny
         ServingEngine(tiny[0].model, ServingConfig(reload="complement"))
     with pytest.raises(ValueError, match="reload must be one of"):
         ServingConfig(reload="half")
+
+
+@pytest.mark.parametrize("compressor", ["snapkv-4x", "kivi4"])
+def test_tail_rows_go_on_on_their_full_kv_where_it_fits(tiny, compressor):
+    """ServingConfig.tail_full: once nothing waits, a row whose whole full KV fits keeps the prompt its
+    verification reloaded and decodes on it (no more drafts or reloads); outputs exact, the budget never passed,
+    and no row switches while requests still wait. Off: every row verifies to its end."""
+    rep, outs, refs = serve(tiny, policy="vericache", compressor=compressor, budget=0.5)
+    assert outs == refs and rep.peak_resident_bytes <= rep.budget_bytes
+    assert rep.switched_to_full >= 1
+    last_admit = max(r.admitted_s for r in rep.requests)
+    assert all(r.switched_s is None or r.switched_s >= last_admit for r in rep.requests)
+    off, outs, _ = serve(tiny, policy="vericache", compressor=compressor, budget=0.5, tail_full=False)
+    assert outs == refs and off.switched_to_full == 0
+    assert rep.verifications < off.verifications  # the switched rows stopped verifying

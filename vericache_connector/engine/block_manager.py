@@ -160,6 +160,14 @@ class BlockManager:
         self.peak = max(self.peak, self.resident)
         return ids
 
+    def grow(self, pool: str, n: int, layers: int) -> None:
+        """n blocks allocated with `layers` live layers (a staging ring) now hold every layer: charge the rest."""
+        extra = self.block_cost(pool, n) - self.block_cost(pool, n, layers)
+        if not self.fits(extra):
+            raise BudgetExceeded(f"{extra} more bytes of pool {pool!r} do not fit: {self.resident} of {self.budget}")
+        self.used += extra
+        self.peak = max(self.peak, self.resident)
+
     def free(self, pool: str, ids: list[int], layers: int | None = None) -> None:
         p = self.pools[pool]
         p.free_blocks.extend(reversed(ids))

@@ -46,6 +46,10 @@ class ServingConfig(DecodeSettings):
     # >= ngram_match tokens repeat earlier text, a draft step also feeds up to `ngram` tokens that followed it
     ngram: int = 0
     ngram_match: int = 3
+    # at the trace's tail (nothing waiting or still to arrive), a VeriCache row whose whole full KV now fits the
+    # budget keeps the prompt its verification just reloaded and decodes on full KV from then on (lowest
+    # acceptance first): no more reloads or drafts for it (Scheduler.switch_to_full)
+    tail_full: bool = True
     backend: str = "auto"  # kernels backend (auto | ref)
     # the capacity model (engine/capacity.py): given the hardware's figures, a VeriCache trace is served with full
     # KV where the model predicts VeriCache / full KV <= 1 + fallback_margin (alpha_prior: the measured

@@ -45,6 +45,7 @@ class RequestRecord:
     output: list[int] = field(repr=False)
     ngram_drafted: int = 0  # drafts from the n-gram source (ServingConfig.ngram)
     drafted: list[int] = field(default_factory=list)  # drafts verified per verification
+    switched_s: float | None = None  # when the row went on decoding on its full KV (ServingConfig.tail_full)
 
     @property
     def latency_s(self) -> float:
@@ -77,6 +78,7 @@ class ServingReport:
     verifications: int
     mean_accepted: float  # drafts accepted per verification
     alpha: float | None  # per-draft acceptance of the trace's rounds: accepted / (accepted + rounds cut short)
+    switched_to_full: int  # rows that went on on their full KV at the trace's tail
     link_busy_s: float
     link_utilization: float
     link_max_concurrent: int
@@ -103,6 +105,7 @@ class ServingReport:
                 list(s.output),
                 s.ngram_drafted,
                 list(s.drafted),
+                s.switched_s,
             )
             for s in seqs
         ]
@@ -123,6 +126,7 @@ class ServingReport:
             verifications=len(acc),
             mean_accepted=statistics.fmean(acc) if acc else 0.0,
             alpha=acceptance(recs),
+            switched_to_full=sum(r.switched_s is not None for r in recs),
             link_busy_s=busy,
             link_utilization=busy / makespan,
             link_max_concurrent=link.max_active if link is not None else 0,

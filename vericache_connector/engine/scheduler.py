@@ -228,7 +228,7 @@ class Scheduler:
         head = in_flight[:1]
         for seq in self.running:
             pos = seq.prompt_len + len(seq.output) - 1  # pending's true position
-            if self.cfg.policy == "full":
+            if self.cfg.policy == "full" or seq.full_kv:
                 out.append(Segment(seq, "full", [seq.pending], [pos], seq.blocks["full"], seq.full_len, "decode"))
             elif self.cfg.policy == "lossy":
                 seg = Segment(seq, "draft", [seq.pending], [pos], seq.blocks["draft"], seq.draft_len, "decode")
@@ -323,7 +323,7 @@ class Scheduler:
                 seq.draft_len += len(seg.tokens)
                 self.propose(seq)
             elif seg.kind == "decode":
-                if self.cfg.policy == "full":
+                if self.cfg.policy == "full" or seq.full_kv:
                     seq.full_len += 1
                 else:
                     seq.draft_len += 1
@@ -337,13 +337,48 @@ class Scheduler:
                 seq.full_len, seq.draft_len = seq.full_len + n + 1, seq.draft_len - k + n + 1
                 new = seq.drafts[:n] + [r.token]
                 seq.drafts, seq.draft_probs, seq.pending = [], [], r.token
-                self.release_staging(seq)
-                emitted.append((seq, self.emit(seq, new, now)))
-                if seq.phase != Phase.FINISHED:
+                switch = self.switch_to_full(seq)
+                if not switch:
+                    self.release_staging(seq)
+                emitted.append((seq, self.emit(seq, new, now)))  # finishing frees the staging either way
+                if seq.phase == Phase.FINISHED:
+                    pass
+                elif switch:
+                    self.keep_full(seq, now)
+                else:
                     seq.phase = Phase.DRAFTING
                     self.start_round(seq)
                     self.propose(seq)
         return emitted
+
+    def switch_to_full(self, seq: Sequence) -> bool:
+        """At a verification (its prompt just reloaded into staging blocks, every layer of them): should the row
+        keep that full KV and decode on it from now on? At the trace's tail only (nothing waiting or still to
+        arrive, so the budget has no other use), where the rest of its whole full KV fits the budget, and the row
+        with the lowest acceptance first (it gains the most: fewer tokens per verification)."""
+        if not (self.cfg.tail_full and seq.staging) or self.complement:
+            return False
+        if self.waiting or self.arrivals or self.prefilling:
+            return False
+        extra = self.blocks.block_cost("full", len(seq.staging)) - self.blocks.block_cost(
+            "full", len(seq.staging), seq.staging_ring
+        )
+        if not self.blocks.fits(extra):
+            return False
+        others = [s.alpha for s in self.running if s is not seq and not s.full_kv and s.alpha is not None]
+        return seq.alpha is None or not others or seq.alpha <= min(others)
+
+    def keep_full(self, seq: Sequence, now: float) -> None:
+        """The row's staging blocks become its prompt's resident full KV; its compressed KV and host copy go."""
+        self.blocks.grow("full", len(seq.staging), seq.staging_ring)
+        for pool in ("draft", "packed"):
+            if pool in seq.blocks:
+                self.blocks.free(pool, seq.blocks.pop(pool))
+        seq.blocks["full"] = seq.staging + seq.blocks["full"]
+        seq.staging, seq.reload, seq.host, seq.full_kv, seq.switched_s = [], None, None, True, now
+        self.plans.pop(seq.request_id, None)
+        self.rings.release(seq.request_id)
+        seq.phase = Phase.DECODING
 
     def propose(self, seq: Sequence) -> None:
         """The n-gram proposals the row's next draft step feeds (ServingConfig.ngram; none when off)."""
@@ -407,7 +442,7 @@ class Scheduler:
         inflight = [s.reload for s in self.running if s.reload is not None and not s.reload.done]
         if not inflight:
             waiting = sorted(
-                (s for s in self.running if s.reload is None),
+                (s for s in self.running if s.reload is None and not s.full_kv),
                 key=lambda s: (s.verify_step is None, s.verify_step or 0),
             )
             for seq in waiting[:1]:

@@ -103,6 +103,8 @@ class Sequence:
     ngram: object | None = None  # draft.ngram.NgramIndex over prompt + output (ServingConfig.ngram)
     proposal: list[int] = field(default_factory=list)  # n-gram tokens the next draft step feeds
     ngram_drafted: int = 0  # drafts that came from the n-gram source
+    full_kv: bool = False  # VeriCache row now decoding on its whole full KV (Scheduler.switch_to_full)
+    switched_s: float | None = None
 
     @property
     def request_id(self) -> str:
