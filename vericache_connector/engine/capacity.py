@@ -127,7 +127,7 @@ def predict(
     step_f = pass_s(hw, wl, rows_f * kv_req, max(1, rows_f), dense=rows_f * wl.context)
     thr_f = rows_f / step_f if rows_f else 0.0
     link = hw.link_bytes_per_s * hw.devices
-    reload_s = reload_fraction * kv_req / link
+    reload_s = reload_fraction * kv_req / link if link > 0 else math.inf  # no link: no verification
     ring = staging_layers or 2
     for _ in range(1 if staging_layers else 2):  # the engine's ring depends on the step time it gives
         staging = kv_req * reload_fraction * ring / wl.num_layers
@@ -138,6 +138,7 @@ def predict(
             best.vc_tokens_per_s = wl.new_tokens / (wl.new_tokens / best.vc_tokens_per_s + wl.prefill_s)
         best.full_rows, best.full_step_s, best.full_tokens_per_s = rows_f, step_f, thr_f
         late = 0 if reload_s <= best.vc_step_s else math.ceil(wl.num_layers * (1 - best.vc_step_s / reload_s))
+        late = min(late, wl.num_layers)
         ring = min(wl.num_layers, late + 2)
     return best
 
