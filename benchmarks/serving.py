@@ -316,7 +316,7 @@ def main(argv=None) -> int:
             if policy == "vericache" and args.fallback:
                 modes = [False, True] if args.fallback == "both" else [True]
             for planned in modes:
-                hw, alpha = None, None
+                hw, alpha = None, args.alpha
                 if planned:  # the CPU's figures from this budget's full-KV run
                     base = next((r for r in rows if r["policy"] == "full" and r["budget_fraction"] == frac), None)
                     hw = (
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                     budget_fraction=frac,
                     rate=rate,
                     capacity_model=hw is not None,
-                    capacity_alpha=(args.alpha if alpha is None else alpha) if hw is not None else None,
+                    capacity_alpha=alpha if hw is not None else None,
                 )
                 rows.append(row)
                 print(fmt_row(row), file=sys.stderr)

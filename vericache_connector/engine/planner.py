@@ -67,6 +67,12 @@ class AcceptanceEstimate:
         self.rejected += int(n < k)
 
     @property
+    def observed(self) -> float | None:
+        """The rounds' own acceptance, without the prior (None before a round)."""
+        seen = self.accepted + self.rejected
+        return self.accepted / seen if seen else None
+
+    @property
     def alpha(self) -> float:
         a = self.prior * self.weight + self.accepted
         r = (1.0 - self.prior) * self.weight + self.rejected

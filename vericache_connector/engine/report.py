@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from .planner import AcceptanceEstimate
+
 
 @dataclass
 class TimeSplit:
@@ -57,11 +59,13 @@ class RequestRecord:
 
 
 def acceptance(recs: list[RequestRecord]) -> float | None:
-    """The geometric model's per-draft acceptance from verified rounds (planner.AcceptanceEstimate without a
-    prior): each round accepted n of its k drafts, a rejection where n < k. None without a verification."""
-    rounds = [(n, k) for r in recs for n, k in zip(r.accepted, r.drafted)]
-    accepted, rejected = sum(n for n, _ in rounds), sum(n < k for n, k in rounds)
-    return accepted / (accepted + rejected) if accepted + rejected else None
+    """The per-draft acceptance of the trace's verified rounds, by the planner's estimator without its prior
+    (planner.AcceptanceEstimate). None without a verification."""
+    est = AcceptanceEstimate(prior=0.5, weight=0.0)
+    for r in recs:
+        for n, k in zip(r.accepted, r.drafted):
+            est.update(n, k)
+    return est.observed
 
 
 @dataclass

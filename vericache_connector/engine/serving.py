@@ -239,7 +239,7 @@ class ServingEngine:
             c = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs) / (bs * full)
         else:
             c = keys * draft
-        r = 1 - self.compressor.keep_count(int(ctx)) / ctx if self.complement else 1.0
+        r = 1 - keys if self.complement else 1.0
         params = sum(p.numel() for p in self.model.parameters())
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = (
@@ -251,9 +251,8 @@ class ServingEngine:
         pair = 4 * mc.num_heads * mc.head_dim * mc.num_layers  # FLOPs of one query against one key
         # besides its compressed prompt a row holds (Scheduler.resident_blocks) its emitted tokens and a round's
         # drafts in both pools, each pool's last block half empty on average
-        room = statistics.fmean(r.max_new_tokens for r in trace) + cfg.k_max + 2 + bs / 2
-        row = room * (full + draft * full * (not self.complement))
         new = statistics.fmean(r.max_new_tokens for r in trace)
+        row = (new + cfg.k_max + 2 + bs / 2) * (full + draft * full * (not self.complement))
         wl = capacity.Workload(
             weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max, pair, row, new, cfg.prefill_s
         )
