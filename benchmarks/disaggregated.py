@@ -54,7 +54,7 @@ METHODS = ("full-kv", "verified", "recompute")
 
 def parse_args(argv=None):
     from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
-    from vericache_connector.remote.config import STORE_DEFAULT
+    from vericache_connector.store.config import STORE_DEFAULT
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gbits", nargs="+", type=float, default=[0.2, 0.5, 1.0, 2.5, 10.0], help="slow link, Gbit/s")

@@ -233,7 +233,7 @@ def add_remote_parsers(sub) -> None:
 
     add_verifier_args(sub.add_parser("verifier", help="serve verify calls next to the store (drafters + verifier)"))
     add_drafter_args(sub.add_parser("drafter", help="serve generate requests, drafting on compressed copies"))
-    from .remote.router_config import add_router_args
+    from .router.config import add_router_args
 
     add_router_args(
         sub.add_parser(
@@ -243,16 +243,22 @@ def add_remote_parsers(sub) -> None:
     )
 
 
-def _remote_command(name: str):
+def _remote_command(module: str):
     def run(args) -> int:
         import importlib
 
-        return importlib.import_module(f".remote.{name}_server", __package__).main(args)
+        return importlib.import_module(module).main(args)
 
     return run
 
 
-REMOTE_COMMANDS = {name: _remote_command(name) for name in ("verifier", "drafter", "router")}
+# `vericache <name>`: the module whose main(args) serves it
+SERVER_MODULES = {
+    "verifier": "vericache_connector.remote.verifier_server",
+    "drafter": "vericache_connector.remote.drafter_server",
+    "router": "vericache_connector.router.server",
+}
+REMOTE_COMMANDS = {name: _remote_command(module) for name, module in SERVER_MODULES.items()}
 
 
 def error_line(e: BaseException) -> str:

@@ -30,14 +30,14 @@ class _LoopThread:
 
 class RouterThread:
     def __init__(self, cfg, token: bytes | None):
-        from vericache_connector.remote.router_server import Router
+        from vericache_connector.router.server import Router
 
         self.router = Router(cfg, token)
 
     def __enter__(self) -> str:
         from aiohttp import web
 
-        from vericache_connector.remote.router_server import make_app
+        from vericache_connector.router.server import make_app
 
         self._t = _LoopThread("router")
 

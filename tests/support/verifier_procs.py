@@ -129,7 +129,7 @@ def usage(url: str):
     """The verifier's counters (rpc.Usage), asked over its own protocol."""
     from vericache_connector.remote import auth, rpc
 
-    client = rpc.VerifierClient(url, TOKEN.encode(), timeout_s=10, keys=auth.client_keys(client_env()))
+    client = rpc.ZmqVerifier(url, TOKEN.encode(), timeout_s=10, keys=auth.client_keys(client_env()))
     try:
         return client.call(rpc.Stats())
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from vericache_connector.remote.config import STORE_DEFAULT, RemoteCacheConfig
+from vericache_connector.store.config import STORE_DEFAULT, RemoteCacheConfig
 
 
 def test_store_default_is_query_agnostic():

@@ -84,9 +84,9 @@ def served(eng):
         s.stop()
 
 
-def client(url, secret=CLIENT_SECRET, **kw) -> rpc.VerifierClient:
+def client(url, secret=CLIENT_SECRET, **kw) -> rpc.ZmqVerifier:
     env = {**client_env(), "VERICACHE_VERIFIER_CLIENT_SECRET_KEY": secret.decode()}
-    return rpc.VerifierClient(url, TOKEN.encode(), keys=auth.client_keys(env), **kw)
+    return rpc.ZmqVerifier(url, TOKEN.encode(), keys=auth.client_keys(env), **kw)
 
 
 def rss_mb() -> float:
@@ -153,7 +153,7 @@ def test_a_missing_key_is_a_clear_error_and_insecure_is_explicit(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv(auth.INSECURE_ENV, raising=False)
     with pytest.raises(ValueError, match="VERICACHE_VERIFIER_CLIENT_SECRET_KEY_FILE and VERICACHE_VERIFIER_PUBLIC_KEY"):
-        rpc.VerifierClient("tcp://127.0.0.1:9", TOKEN.encode())
+        rpc.ZmqVerifier("tcp://127.0.0.1:9", TOKEN.encode())
     with pytest.raises(ValueError, match="VERICACHE_VERIFIER_SECRET_KEY_FILE"):
         auth.server_keys()
     monkeypatch.setenv("VERICACHE_VERIFIER_PUBLIC_KEY", "not-a-key")

@@ -620,7 +620,7 @@ def dockerfile_installs(variant: str) -> set[str]:
 def image_roles() -> dict[str, tuple[str, list[str], list[str]]]:
     """{kind/name/container: (command, modules it imports, vLLM connectors it names)} of every container that
     runs our image, in every manifest and every values file (rendered as the chart would)."""
-    from vericache_connector.cli import REMOTE_COMMANDS
+    from vericache_connector.cli import SERVER_MODULES
 
     objects = [("", o) for o in all_objects()]
     for overlays in (("values-s3.yaml", "values-lmcache-mp.yaml"), ("values-verifier.yaml",), ("values-router.yaml",)):
@@ -646,8 +646,8 @@ def image_roles() -> dict[str, tuple[str, list[str], list[str]]]:
                 modules.append("vllm.entrypoints.openai.api_server")
             elif cmd == "vericache":
                 modules.append("vericache_connector.cli")
-                if argv[1] in REMOTE_COMMANDS:
-                    modules.append(f"vericache_connector.remote.{argv[1]}_server")
+                if argv[1] in SERVER_MODULES:
+                    modules.append(SERVER_MODULES[argv[1]])
             elif cmd == "lmcache":
                 modules += ["lmcache.cli.main", *LMCACHE_SUBCOMMAND_MODULES[argv[1]]]
             else:

@@ -74,17 +74,20 @@ def test_stored_prefix_len_leaves_a_token():
 
 
 # ---- layering: each level imports only the levels below it ------------------------------------------
-# storage_backends and the kernels at the bottom, then the model, the compressors, the draft caches, the
-# engines, the remote pipeline, the integrations, and the user-facing demo / CLI on top.
+# storage_backends and the kernels at the bottom, then the model and the store client (store/), the compressors,
+# the draft caches, the engines, the remote pipeline (remote/) and the vLLM router (router/), the integrations,
+# and the user-facing demo / CLI on top.
 LEVELS = {
     "storage_backends": 0,
     "vericache_kernels": 0,
     "vericache_connector.data": 0,
     "vericache_connector.model": 1,
+    "vericache_connector.store": 1,
     "vericache_connector.compressors": 2,
     "vericache_connector.draft": 3,
     "vericache_connector.engine": 4,
     "vericache_connector.remote": 5,
+    "vericache_connector.router": 5,
     "vericache_connector.integration": 6,
     "vericache_connector.demo": 7,
     "vericache_connector.cli": 7,
@@ -92,6 +95,12 @@ LEVELS = {
     "vericache_connector.vllm_proposer": 7,
     "vericache_connector.__main__": 7,
 }
+# Rooms on one level that must not lean on each other: the store client (what every node shares) and the model;
+# the router (stock vLLM servers, no model) and the engine's remote pair (our own verifier and drafter).
+APART = [
+    ("vericache_connector.store", "vericache_connector.model"),
+    ("vericache_connector.router", "vericache_connector.remote"),
+]
 # Legacy import paths LMCache configs still name: each is only `sys.modules[__name__] = <the new module>`.
 STORAGE_ALIASES = {"lmcache_plugin.py", "lmcache_l2_adapter.py", "lmcache_l2_config.py", "lmcache_chain_tap.py"}
 
@@ -152,6 +161,18 @@ def test_no_level_imports_a_level_above_it():
             if mine is not None and theirs is not None and theirs > mine:
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports from a lower level to a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_rooms_on_one_level_stay_apart():
+    crossing = []
+    for path, module in _modules():
+        for a, b in APART:
+            for mine, other in ((a, b), (b, a)):
+                if module == mine or module.startswith(mine + "."):
+                    crossing += [
+                        f"{module} -> {t}" for t in _imports(path, module) if t == other or t.startswith(other + ".")
+                    ]
+    assert not crossing, "\n".join(sorted(crossing))
 
 
 def test_the_model_level_imports_neither_engine_nor_draft():

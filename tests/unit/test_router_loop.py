@@ -18,8 +18,8 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from vericache_connector.remote.router_config import RouterConfig, router_token  # noqa: E402
-from vericache_connector.remote.router_server import Router, make_app  # noqa: E402
+from vericache_connector.router.config import RouterConfig, router_token  # noqa: E402
+from vericache_connector.router.server import Router, make_app  # noqa: E402
 
 VOCAB, EOS = 1000, 7
 TOKEN = "t" * 24

@@ -195,7 +195,7 @@ def test_mac_key_is_checked_and_never_shown():
 
 
 def test_remote_cache_config_errors_and_repr_hide_the_password():
-    from vericache_connector.remote.config import RemoteCacheConfig
+    from vericache_connector.store.config import RemoteCacheConfig
 
     cfg = RemoteCacheConfig(url="redis://:TOPSECRET@h:6379/0")
     assert "TOPSECRET" not in repr(cfg)

@@ -118,7 +118,7 @@ def test_token_from_a_file_or_the_environment_never_shown(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="at least 16 bytes") as e:
         rpc.verifier_token()
     assert "short" not in str(e.value)
-    client = rpc.VerifierClient("tcp://127.0.0.1:9", SECRET.encode())
+    client = rpc.ZmqVerifier("tcp://127.0.0.1:9", SECRET.encode())
     assert SECRET not in repr(client) and SECRET not in str(vars(client).get("url"))
     client.close()
 
@@ -342,7 +342,7 @@ def test_client_drops_stale_answers_and_reports_refusals_and_timeouts(eng, promp
         # seq 3: no answer at all
 
     router = Router(script)
-    client = rpc.VerifierClient(f"tcp://127.0.0.1:{router.port}", SECRET.encode(), timeout_s=1.0)
+    client = rpc.ZmqVerifier(f"tcp://127.0.0.1:{router.port}", SECRET.encode(), timeout_s=1.0)
     try:
         assert client.call(call(eng, prompt, seq=0)) == rpc.Verdict("r", 0, 0, 5)
         for seq, words in ((1, r"\(store\): full KV not loaded"), (2, r"\(too_large\)")):
@@ -354,7 +354,7 @@ def test_client_drops_stale_answers_and_reports_refusals_and_timeouts(eng, promp
     finally:
         client.close()
         router.close()
-    down = rpc.VerifierClient(f"tcp://127.0.0.1:{router.port}", SECRET.encode(), connect_timeout_s=0.2)
+    down = rpc.ZmqVerifier(f"tcp://127.0.0.1:{router.port}", SECRET.encode(), connect_timeout_s=0.2)
     with pytest.raises(rpc.VerifierUnavailable, match="not reachable"):
         down.send(call(eng, prompt))
     down.close()

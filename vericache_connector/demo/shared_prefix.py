@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ..remote.config import STORE_DEFAULT
+from ..store.config import STORE_DEFAULT
 from . import procs
 from .shared_prefix_report import LABELS, SharedPrefixReport, WayRow
 

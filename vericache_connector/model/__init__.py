@@ -25,6 +25,7 @@ _EXPORTS = {
     "verify": "sampling",
     "emit": "sampling",
     "sample": "sampling",
+    "top_token": "sampling",
 }
 
 

@@ -107,3 +107,13 @@ def emit(out: list[int], tokens, max_new_tokens: int, eos=(), stop_at_eos: bool 
         if len(out) >= max_new_tokens or (stop_at_eos and t in eos):
             return True
     return False
+
+
+def top_token(entry: dict) -> int:
+    """A server's greedy token at one position, from its prompt_logprobs entry {token_id: {logprob, rank, ...}}:
+    the rank-1 token (ties: the lowest id, as torch.argmax picks). What `verify` is handed as the argmax of
+    the full KV when the full KV lives in a vLLM server (remote/openai_verifier.py, router/upstream.py)."""
+    top = [int(t) for t, v in entry.items() if v.get("rank") == 1]
+    if not top:
+        raise ValueError("a prompt_logprobs entry without a rank-1 token")
+    return min(top)

@@ -8,7 +8,7 @@ $VERICACHE_VERIFIER_PUBLIC_KEY_FILE for a drafter)."""
 
 from __future__ import annotations
 
-from .config import DEFAULT_TIMEOUT_S, STORE_DEFAULT, VERIFIER_LOAD_TIMEOUT_S
+from ..store.config import DEFAULT_TIMEOUT_S, STORE_DEFAULT, VERIFIER_LOAD_TIMEOUT_S
 from .rpc import DEFAULT_PORT, MAX_CALL_BYTES
 from .rpc import DEFAULT_TIMEOUT_S as VERIFY_TIMEOUT_S
 
@@ -65,7 +65,7 @@ def store_config(args, **extra):
     what one server adds (the drafter's compressor and verifier)."""
     import os
 
-    from .config import RemoteCacheConfig
+    from ..store.config import RemoteCacheConfig
 
     url = args.store or os.environ.get("VERICACHE_STORE_URL")
     if not url:

@@ -1,6 +1,6 @@
 """VerifierClient: what a drafter's decode loop needs from a verifier, whichever it is.
 
-Implemented by rpc.VerifierClient (our verifier over ZeroMQ: it keeps each request's full KV resident, so a
+Implemented by rpc.ZmqVerifier (our verifier over ZeroMQ: it keeps each request's full KV resident, so a
 call costs one short forward) and openai_verifier.OpenAIVerifier (a vLLM server: prompt logprobs over the
 whole sequence, one prefill per call). The pipeline (drafter.VerifiedDecode) sends one call at a time and
 polls for its answer between draft steps; `cheap_calls` decides how many drafts a call carries.
@@ -33,7 +33,7 @@ class VerifierClient(Protocol):
 
 
 def make_verifier(url: str, token_file: str | None, timeout_s: float) -> VerifierClient:
-    """tcp://... -> our verifier (rpc.VerifierClient); http(s)://... -> a vLLM OpenAI server (greedy)."""
+    """tcp://... -> our verifier (rpc.ZmqVerifier); http(s)://... -> a vLLM OpenAI server (greedy)."""
     if url.startswith(("http://", "https://")):
         from .openai_verifier import OpenAIVerifier
 
@@ -44,4 +44,4 @@ def make_verifier(url: str, token_file: str | None, timeout_s: float) -> Verifie
             if token_file:
                 raise
         return OpenAIVerifier(url, token, timeout_s)
-    return rpc.VerifierClient(url, rpc.verifier_token(token_file), timeout_s)
+    return rpc.ZmqVerifier(url, rpc.verifier_token(token_file), timeout_s)

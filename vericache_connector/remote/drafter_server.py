@@ -29,10 +29,10 @@ from storage_backends import redact_url, stored_prefix_len
 
 from ..engine.speculative import DecodeConfig, autoregressive_decode
 from ..model.sampling import sample
+from ..store.config import RemoteCacheConfig
+from ..store.full_copy import stream_full_copy
 from .cli_args import store_config
-from .config import RemoteCacheConfig
 from .drafter_api import MODES, mode_error
-from .full_copy import stream_full_copy
 from .prefix_cache import RemotePrefixCache
 
 logger = logging.getLogger("vericache.drafter")

@@ -7,7 +7,7 @@ argmax after the last draft. So n = leading j with argmax_j == d_j, and the next
 correction) or, when every draft matched, the generated token (the bonus): vLLM's own greedy decisions.
 
 The call runs on a worker thread, so the drafter keeps drafting while it is in flight, exactly as with
-our verifier (the same send/poll/release interface as rpc.VerifierClient). Auth: vLLM's --api-key
+our verifier (the VerifierClient protocol of client.py, as rpc.ZmqVerifier). Auth: vLLM's --api-key
 (VLLM_API_KEY) as a Bearer token, the same VERICACHE_VERIFIER_TOKEN the drafters read.
 
 Limits, from vLLM 0.32 itself: a request with prompt_logprobs never reads the prefix cache nor a KV
@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ..model.sampling import verify
+from ..model.sampling import top_token, verify
 from . import rpc
 
 MAX_RESPONSE_BYTES = 64 << 20  # prompt_logprobs of a long prompt: ~200 bytes per token
@@ -52,7 +52,7 @@ class OpenAIVerifier:
     def __repr__(self) -> str:
         return f"<OpenAIVerifier {self.base}>"
 
-    # ---- the client interface (rpc.VerifierClient's) -----------------------------------------------
+    # ---- the VerifierClient protocol (client.py) -----------------------------------------------
     def send(self, call: rpc.Verify, timeout_s: float | None = None) -> None:
         if call.temperature > 0:
             raise rpc.VerifierError("the vLLM verifier backend checks greedy drafts only")
@@ -95,7 +95,7 @@ class OpenAIVerifier:
             bonus = int(choice["token_ids"][0])
             if len(plp) != len(seq) + len(drafts):
                 raise ValueError(f"{len(plp)} prompt logprobs for {len(seq) + len(drafts)} prompt tokens")
-            best = [_argmax(plp[len(seq) + j]) for j in range(len(drafts))] + [bonus]  # its greedy tokens
+            best = [top_token(plp[len(seq) + j]) for j in range(len(drafts))] + [bonus]  # its greedy tokens
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise rpc.BadAnswer(f"vLLM verifier {self.base}: unexpected answer ({type(e).__name__}: {e})") from None
         n, token = verify(torch.tensor([drafts], dtype=torch.long).view(1, -1), torch.tensor([best]))
@@ -135,12 +135,3 @@ class OpenAIVerifier:
             return json.loads(data)
         except ValueError as e:
             raise rpc.BadAnswer(f"vLLM verifier {self.base}: answer is not JSON ({e})") from None
-
-
-def _argmax(entry: dict) -> int:
-    """The rank-1 token of one prompt_logprobs entry {token_id: {logprob, rank, ...}} (ties: lowest id, as
-    torch.argmax picks)."""
-    top = [int(t) for t, v in entry.items() if v.get("rank") == 1]
-    if not top:
-        raise ValueError("a prompt_logprobs entry without a rank-1 token")
-    return min(top)

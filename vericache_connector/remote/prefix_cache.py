@@ -21,7 +21,7 @@ lock; a request owns the engine's caches, the verifier connection and the store 
 close() (or the with-block) waits for the request in progress, ends the loop thread, and a closed cache
 raises at once.
 
-With cfg.verifier (drafters + verifier, remote/drafter.py), a HIT with a compressed copy fetches only that
+With cfg.verifier (drafters + verifier, verified_hit.py), a HIT with a compressed copy fetches only that
 copy: a verifier next to the store loads the full copy over its own fast link and checks the drafts, which
 go on while each call is in flight (path "verified"; bytes_full stays 0). Any verifier fault: the full copy
 is streamed here after all and the request finishes locally from the tokens verified so far
@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
+import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -44,102 +43,15 @@ from storage_backends import CorruptObject, MissingObject, StoreUnavailable, sto
 
 from ..compressors import CompressedKV, LayeredKV, PrefixKV, get_compressor
 from ..engine.llm_engine import VeriCacheEngine
-from ..engine.speculative import DecodeConfig, SpecStats, speculative_decode
+from ..engine.speculative import DecodeConfig, speculative_decode
 from ..model.kv_cache import KVCache
-from .config import RemoteCacheConfig
-from .full_copy import stream_full_copy
-from .store_client import ClientClosed, StoreClient
+from ..store.client import ClientClosed, StoreClient
+from ..store.config import RemoteCacheConfig
+from ..store.full_copy import stream_full_copy
+from .hit import Arrival, DraftClock, RemoteResult, Request, Timings, err, shown_s, since
+from .verified_hit import VerifiedHit
 
 logger = logging.getLogger("vericache.remote")
-
-
-@dataclass
-class Timings:
-    """Seconds since generate() was called."""
-
-    compressed_s: float | None = None  # compressed copy fetched and checked
-    draft_ready_s: float | None = None  # draft cache built from it
-    first_draft_s: float | None = None  # first token drafted on the compressed KV
-    drafted_until_s: float | None = None  # last draft of round 1 (it drafts on until the full copy is in)
-    full_arrived_s: float | None = None  # full prefix KV complete (streamed in, or computed here)
-    first_token_s: float | None = None  # first verified token
-    total_s: float = 0.0
-
-
-@dataclass
-class RemoteResult:
-    tokens: list[int]
-    path: str  # local | miss | hit | hit-recompute | full-only | fallback-recompute
-    stats: SpecStats
-    timings: Timings
-    stored_tokens: int = 0  # prompt tokens looked up in (or written to) the store
-    bytes_compressed: int = 0  # fetched
-    bytes_full: int = 0  # fetched
-    wrote: bool = False  # this request wrote copies (now visible)
-    error: str | None = None  # the fault behind a fallback
-    draft_steps: int = 0  # verified path: tokens drafted on the compressed KV, thrown-away ones included
-
-
-class _Arrival:
-    """The full copy streaming into the full cache; wait() recomputes it here if the stream failed."""
-
-    def __init__(self, recompute):
-        self.event, self.recompute = threading.Event(), recompute
-        self.error: BaseException | None = None
-        self.nbytes, self.done_at = 0, None
-        self.task: asyncio.Task | None = None  # the stream, on the store loop
-
-    def ready(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self) -> None:
-        self.event.wait()
-        if self.done_at is None:  # the stream failed: nothing writes into the cache any more
-            logger.warning(
-                "full copy stream failed (%s: %s); recomputing the prefix KV locally",
-                type(self.error).__name__,
-                self.error,
-            )
-            self.recompute()
-            self.done_at = time.perf_counter()
-
-    async def stop(self) -> None:
-        """On the store loop: cancel the stream if it still runs, and wait for it to end. The stream
-        task started before this one runs (the loop runs callbacks in order), so `task` is set."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-
-
-class _Clock:
-    """Stands in for the model in speculative_decode; notes when the first and the last draft forward of
-    round 1 (the ones before the first verify pass) return. Draft forwards run `drafter`."""
-
-    def __init__(self, model, draft: KVCache, drafter=None):
-        self.model, self.cfg, self.draft, self.drafter = model, model.cfg, draft, drafter or model
-        self.first_draft = self.round1_end = None
-        self.verified = False
-
-    def __call__(self, ids, positions, cache, **kw):
-        out = (self.drafter if cache is self.draft else self.model)(ids, positions, cache, **kw)
-        if cache is not self.draft:
-            self.verified = True
-        elif not self.verified:
-            self.round1_end = time.perf_counter()
-            self.first_draft = self.first_draft or self.round1_end
-        return out
-
-
-@dataclass
-class _Request:
-    prefix: list[int]  # the stored part of the prompt
-    suffix: torch.Tensor  # [1, P] the rest, fed through the first draft and verify passes
-    decode: DecodeConfig
-    t0: float
-
-    @property
-    def extra(self) -> int:  # cache room past the prefix
-        return self.suffix.shape[1] + self.decode.cache_headroom
 
 
 class RemotePrefixCache:
@@ -194,7 +106,7 @@ class RemotePrefixCache:
             res = self._local(ids, decode, t0)
         else:
             res = self._remote(
-                _Request(ids[:stored], torch.tensor([ids[stored:]], device=self.engine.model.device), decode, t0)
+                Request(ids[:stored], torch.tensor([ids[stored:]], device=self.engine.model.device), decode, t0)
             )
         res.stored_tokens, res.timings.total_s = stored, time.perf_counter() - t0
         tm = res.timings
@@ -205,9 +117,9 @@ class RemotePrefixCache:
             len(ids),
             stored,
             len(res.tokens),
-            _s(tm.first_draft_s),
-            _s(tm.full_arrived_s),
-            _s(tm.first_token_s),
+            shown_s(tm.first_draft_s),
+            shown_s(tm.full_arrived_s),
+            shown_s(tm.first_token_s),
             tm.total_s,
             res.bytes_compressed,
             res.bytes_full,
@@ -220,11 +132,11 @@ class RemotePrefixCache:
         arrived, extra = time.perf_counter(), decode.cache_headroom
         full = self.engine.full_cache([pre], extra)
         draft = self.engine.draft_cache([self.compressor.compress(pre.prefix)], extra)
-        res = self._decode(full, draft, self.engine.first_tokens([pre], decode), decode, None, t0, "local")
+        res = self.decode(full, draft, self.engine.first_tokens([pre], decode), decode, None, t0, "local")
         res.timings.full_arrived_s = res.timings.first_token_s = arrived - t0
         return res
 
-    def _remote(self, r: _Request) -> RemoteResult:
+    def _remote(self, r: Request) -> RemoteResult:
         # 1) Lookup: full copy of every chunk stored? compressed copy for our spec?
         try:
             found, has_comp = self._call(self._lookup(r.prefix), self.cfg.timeout_s)
@@ -236,7 +148,7 @@ class RemotePrefixCache:
         # 2) HIT: the small compressed copy first. Absent or corrupt -> full-only; store gone -> recompute.
         #    Checksums passed; it must also fit the model and its own meta, else it is not used.
         #    With a verifier, its first call goes out now: it loads the full copy while we fetch ours.
-        session = self._open_session(r) if has_comp and self.verifier is not None else None
+        session = VerifiedHit.open(self, r) if has_comp and self.verifier is not None else None
         compressed, error, t_compressed = None, None, None
         if has_comp:
             try:
@@ -254,27 +166,35 @@ class RemotePrefixCache:
                 logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
                 compressed, error = None, e
         if session is not None:
-            res = self._verified(r, compressed, session, t_compressed) if compressed is not None else None
+            res = session.run(compressed, t_compressed) if compressed is not None else None
             if isinstance(res, RemoteResult):
                 return res
             session.abandon()
             if res is not None:  # the compressed copy does not build a draft cache: the full copy alone
                 compressed, error = None, res
-        # 3) Full cache with the prefix length set but its data still empty; stream the full copy into it.
+        # 3) Stream the full copy into a full cache while drafting on the compressed copy.
+        with self.streaming_full_copy(r) as (full, arrival):
+            return self._use_copies(r, full, arrival, compressed, error)
+
+    @contextlib.contextmanager
+    def streaming_full_copy(self, r: Request):
+        """(full cache, arrival): a cache with the prefix length set but its data still empty, the full copy
+        streaming into it on the store loop. On leaving (on an error too) the stream is stopped: nothing goes
+        on writing into the cache."""
         full = self.engine.model.new_cache(1, len(r.prefix) + r.extra)
         full.lengths[0] = len(r.prefix)
-        arrival = _Arrival(lambda: self._recompute_into(full, r.prefix))
+        arrival = Arrival(lambda: self._recompute_into(full, r.prefix))
         self._submit(self._stream_into(r.prefix, full, arrival))
         try:
-            return self._use_copies(r, full, arrival, compressed, error)
-        finally:  # on an error too: the stream is stopped, nothing goes on writing into `full`
+            yield full, arrival
+        finally:
             if not arrival.ready():
                 try:
                     self._call(arrival.stop(), self.cfg.timeout_s)
                 except Exception as e:
                     logger.warning("full copy stream not stopped (%s: %s)", type(e).__name__, e)
 
-    def _use_copies(self, r: _Request, full: KVCache, arrival: _Arrival, compressed, error) -> RemoteResult:
+    def _use_copies(self, r: Request, full: KVCache, arrival: Arrival, compressed, error) -> RemoteResult:
         # 4) Draft on the compressed copy at once; round 1 verifies once the full copy is in.
         if compressed is not None:
             try:
@@ -284,9 +204,9 @@ class RemotePrefixCache:
                 compressed, error = None, e
         if compressed is None:
             return self._full_only(r, full, arrival, error)
-        res = self._decode(full, draft, r.suffix, r.decode, arrival, r.t0, "hit")
+        res = self.decode(full, draft, r.suffix, r.decode, arrival, r.t0, "hit")
         res.bytes_compressed = compressed.nbytes
-        res = self._arrived(res, arrival, r.t0, "hit-recompute")
+        res = self.arrived(res, arrival, r.t0, "hit-recompute")
         if isinstance(arrival.error, (CorruptObject, MissingObject)):  # repair: rewrite the full copy
             n = len(r.prefix)
             layers = [{"k": k[0, :, :n], "v": v[0, :, :n]} for k, v in zip(full.keys, full.values)]
@@ -295,7 +215,7 @@ class RemotePrefixCache:
             )
         return res
 
-    def _miss(self, r: _Request, write: bool, error: BaseException | None = None) -> RemoteResult:
+    def _miss(self, r: Request, write: bool, error: BaseException | None = None) -> RemoteResult:
         """Prefill the prefix here, compress it, write both copies (concurrently with decoding)."""
         pre = self.engine.prefill(r.prefix)
         arrived = time.perf_counter()
@@ -305,13 +225,13 @@ class RemotePrefixCache:
             self._submit(self.store.put_prefix(r.prefix, layers, {comp.spec: comp.to_payload()})) if write else None
         )
         full, draft = self.engine.full_cache([pre], r.extra), self.engine.draft_cache([comp], r.extra)
-        res = self._decode(full, draft, r.suffix, r.decode, None, r.t0, "miss" if write else "fallback-recompute")
-        res.timings.full_arrived_s, res.error = arrived - r.t0, _err(error)
+        res = self.decode(full, draft, r.suffix, r.decode, None, r.t0, "miss" if write else "fallback-recompute")
+        res.timings.full_arrived_s, res.error = arrived - r.t0, err(error)
         if writing is not None:  # wait, so that the next request sees the copies
             self._finish_write(res, writing, "store write")
         return res
 
-    def _full_only(self, r: _Request, full: KVCache, arrival: _Arrival, error) -> RemoteResult:
+    def _full_only(self, r: Request, full: KVCache, arrival: Arrival, error) -> RemoteResult:
         """No usable compressed copy: wait for the full copy, compress it here, write the copy back."""
         arrival.wait()
         n = len(r.prefix)
@@ -325,96 +245,15 @@ class RemotePrefixCache:
                 self.store.put_prefix(r.prefix, compressed={comp.spec: comp.to_payload()}, overwrite=True)
             )
         draft = self.engine.draft_cache([comp], r.extra)
-        res = self._decode(full, draft, r.suffix, r.decode, None, r.t0, "full-only")
-        res.error = _err(error)
-        res = self._arrived(res, arrival, r.t0, "fallback-recompute")
+        res = self.decode(full, draft, r.suffix, r.decode, None, r.t0, "full-only")
+        res.error = err(error)
+        res = self.arrived(res, arrival, r.t0, "fallback-recompute")
         if writing is not None:
             self._finish_write(res, writing, "compressed copy write-back")
         return res
 
-    # ---- drafters + verifier (remote/drafter.py) --------------------------------------------------
-    def _open_session(self, r: _Request):
-        from .drafter import VerifiedDecode
-
-        ids = r.prefix + r.suffix[0].tolist()
-        name = self.cfg.model_name or self.engine.model_name
-        session = VerifiedDecode(self.verifier, name, ids, len(r.prefix), r.decode, self.engine.model.cfg)
-        try:
-            session.open(self.cfg.verifier_load_timeout_s)
-        except Exception as e:  # down, or refuses this request: the path without a verifier
-            logger.warning("verifier %s not used (%s: %s)", self.cfg.verifier, type(e).__name__, e)
-            return None
-        return session
-
-    def _verified(self, r: _Request, compressed: CompressedKV, session, t_compressed) -> RemoteResult | Exception:
-        """Draft here on the compressed copy, verified next to the store; on a verifier fault, stream the
-        full copy here and finish locally from the tokens verified so far. A compressed copy that does not
-        build a draft cache is returned as the error (the caller goes on without it)."""
-        from .drafter import VerifierFault
-
-        try:
-            draft = self.engine.draft_cache([compressed], r.extra)
-        except Exception as e:  # validated, yet it does not build
-            logger.warning("compressed copy unusable (%s: %s); using the full copy", type(e).__name__, e)
-            return e
-        c0, t_ready = draft.lengths.clone(), time.perf_counter()
-        try:
-            out = session.run(self.engine.draft_model(), draft)
-        except VerifierFault as f:
-            draft.lengths = c0
-            return self._finish_locally(r, draft, f.emitted, f.cause, compressed)
-        tm = Timings(
-            _since(t_compressed, r.t0),
-            _since(t_ready, r.t0),
-            _since(out.first_draft_t, r.t0),
-            first_token_s=_since(out.first_token_t, r.t0),
-        )
-        res = RemoteResult(
-            out.tokens, "verified", out.stats, tm, bytes_compressed=compressed.nbytes, draft_steps=out.drafted
-        )
-        logger.info(
-            "verified: %d tokens in %d verify calls (mean accepted %.2f of %d drafted, forwards of up to %d rows)",
-            len(out.tokens),
-            out.calls,
-            out.stats.mean_accepted(),
-            out.drafted,
-            max(out.batched, default=0),
-        )
-        return res
-
-    def _finish_locally(self, r: _Request, draft, emitted: list[int], cause, compressed) -> RemoteResult:
-        """The full copy streamed here (as without a verifier) while drafting resumes on the compressed copy;
-        prompt suffix + emitted are the round-1 feed, so the output continues exactly after `emitted`."""
-        logger.warning(
-            "verifier %s failed after %d verified tokens (%s: %s); fetching the full copy and finishing locally",
-            self.cfg.verifier,
-            len(emitted),
-            type(cause).__name__,
-            cause,
-        )
-        decode = dataclasses.replace(r.decode, max_new_tokens=r.decode.max_new_tokens - len(emitted))
-        first = torch.cat([r.suffix, torch.tensor([emitted], dtype=r.suffix.dtype, device=r.suffix.device)], 1)
-        rest = _Request(r.prefix, first, decode, r.t0)
-        full = self.engine.model.new_cache(1, len(r.prefix) + rest.extra)
-        full.lengths[0] = len(r.prefix)
-        arrival = _Arrival(lambda: self._recompute_into(full, r.prefix))
-        self._submit(self._stream_into(r.prefix, full, arrival))
-        try:
-            res = self._decode(full, draft, first, decode, arrival, r.t0, "verifier-fallback")
-        finally:
-            if not arrival.ready():
-                try:
-                    self._call(arrival.stop(), self.cfg.timeout_s)
-                except Exception as e:
-                    logger.warning("full copy stream not stopped (%s: %s)", type(e).__name__, e)
-        res.tokens = emitted + res.tokens
-        res.bytes_compressed = compressed.nbytes
-        res = self._arrived(res, arrival, r.t0, "verifier-fallback-recompute")
-        res.error = res.error or f"verifier: {_err(cause)}"
-        return res
-
-    def _decode(self, full, draft, first, decode, arrival, t0, path) -> RemoteResult:
-        clock, marks = _Clock(self.engine.model, draft, self.engine.draft_model()), []
+    def decode(self, full, draft, first, decode, arrival, t0, path) -> RemoteResult:
+        clock, marks = DraftClock(self.engine.model, draft, self.engine.draft_model()), []
         outs, stats = speculative_decode(
             clock,
             full,
@@ -429,17 +268,17 @@ class RemotePrefixCache:
             path,
             stats,
             Timings(
-                first_draft_s=_since(clock.first_draft, t0),
-                drafted_until_s=_since(clock.round1_end, t0),
-                first_token_s=_since(marks[0] if marks else None, t0),
+                first_draft_s=since(clock.first_draft, t0),
+                drafted_until_s=since(clock.round1_end, t0),
+                first_token_s=since(marks[0] if marks else None, t0),
             ),
         )
 
     @staticmethod
-    def _arrived(res: RemoteResult, arrival: _Arrival, t0: float, failed_path: str) -> RemoteResult:
-        res.timings.full_arrived_s, res.bytes_full = _since(arrival.done_at, t0), arrival.nbytes
+    def arrived(res: RemoteResult, arrival: Arrival, t0: float, failed_path: str) -> RemoteResult:
+        res.timings.full_arrived_s, res.bytes_full = since(arrival.done_at, t0), arrival.nbytes
         if arrival.error is not None:
-            res.path, res.error = failed_path, _err(arrival.error)
+            res.path, res.error = failed_path, err(arrival.error)
         return res
 
     @staticmethod
@@ -451,7 +290,7 @@ class RemotePrefixCache:
             logger.warning(
                 "%s failed (%s: %s); request answered, nothing half-written is visible", what, type(e).__name__, e
             )
-            res.error = res.error or f"write: {_err(e)}"
+            res.error = res.error or f"write: {err(e)}"
 
     # ---- store side (runs on the loop thread) ----------------------------------------------------
     def _submit(self, coro) -> concurrent.futures.Future:
@@ -467,7 +306,7 @@ class RemotePrefixCache:
         got = await self.store.get_compressed(prefix, self.compressor.spec)
         return None if got is None else LayeredKV.from_payload(*got)
 
-    async def _stream_into(self, prefix, full: KVCache, arrival: _Arrival) -> None:
+    async def _stream_into(self, prefix, full: KVCache, arrival: Arrival) -> None:
         """Copy each arriving layer into full[layer][0, :, :n]; a fault is left for arrival.wait()."""
         n = len(prefix)
         arrival.task = asyncio.current_task()
@@ -524,15 +363,3 @@ class RemotePrefixCache:
             last_only=True,
         )
         return [o[0] for o in obs]
-
-
-def _since(t: float | None, t0: float) -> float | None:
-    return None if t is None else t - t0
-
-
-def _err(e: BaseException | None) -> str | None:
-    return None if e is None else f"{type(e).__name__}: {e}"
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}s"

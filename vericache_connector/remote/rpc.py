@@ -193,7 +193,7 @@ class BadAnswer(VerifierError):
 
 
 # ---- the drafter's client ----------------------------------------------------------------------------
-class VerifierClient:
+class ZmqVerifier:
     """One DEALER socket to the verifier; one call in flight at a time (`send`, then `poll` between draft
     steps). Answers to earlier calls (one that timed out, say) are dropped by (request, seq). A call in
     flight fails at once (VerifierUnavailable) when the connection it went out on ends: the verifier died,
@@ -248,7 +248,7 @@ class VerifierClient:
         self.deadline, self.waits_s = 0.0, timeout_s
 
     def __repr__(self) -> str:
-        return f"<VerifierClient {self.url}>"  # never the token
+        return f"<ZmqVerifier {self.url}>"  # never the token
 
     def _events(self, armed: bool) -> None:
         """Read the socket's connection events; armed: a call is in flight, and a disconnect loses it."""

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 from storage_backends import redact_url
 
+from ..store.client import StoreClient
+from ..store.full_copy import stream_full_copy
 from . import rpc
 from .auth import Gate, LogLimiter, esc
 from .cli_args import store_config
-from .full_copy import stream_full_copy
-from .store_client import StoreClient
 from .verifier import CallError, Resident, VerifierConfig, VerifierCore
 
 logger = logging.getLogger("vericache.verifier")

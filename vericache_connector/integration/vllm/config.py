@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from ...remote.config import RemoteCacheConfig
+from ...store.config import RemoteCacheConfig
 
 CONNECTOR_MODULE = "vericache_connector.vllm_connector"  # kv_connector_module_path (a stable re-export)
 PROPOSER_CLASS = "vericache_connector.vllm_proposer.CompressedKVProposer"  # speculative "model" (re-export)

@@ -30,7 +30,7 @@ from storage_backends import redact_url
 
 from ...compressors import get_compressor
 from ...model.loader import config_identity, model_identity
-from ...remote.store_client import StoreClient
+from ...store.client import StoreClient
 from . import draft_role
 from .config import PROPOSER_CLASS, connector_role, load_connector_config
 from .handoff import DraftHandoff

@@ -34,7 +34,7 @@ import torch
 from vllm.logger import init_logger
 
 from ...compressors import GROUPS, LayeredKV, get_compressor
-from ...remote.router_config import router_token
+from ...router.config import router_token
 from .metadata import LoadSpec, VeriCacheMetadata
 from .paged_layout import scatter_tokens
 from .scheduler import VeriCacheConnectorScheduler, connector_off

@@ -23,8 +23,8 @@ from vllm.logger import init_logger
 
 from storage_backends import stored_prefix_len
 
-from ...remote.config import RemoteCacheConfig
-from ...remote.store_client import StoreClient
+from ...store.client import StoreClient
+from ...store.config import RemoteCacheConfig
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 
 logger = init_logger("vllm.vericache")

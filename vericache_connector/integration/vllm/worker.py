@@ -27,9 +27,9 @@ from vllm.logger import init_logger
 
 from ...compressors import LayeredKV, PrefixKV, get_compressor
 from ...compressors.split16 import COMPLEMENT, Split16Compressor, digest
-from ...remote.config import RemoteCacheConfig
-from ...remote.full_copy import stream_full_copy
-from ...remote.store_client import StoreClient
+from ...store.client import StoreClient
+from ...store.config import RemoteCacheConfig
+from ...store.full_copy import stream_full_copy
 from .handoff import Deferred, DraftHandoff
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens

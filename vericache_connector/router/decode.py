@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.sampling import emit, verify
-from .router_config import RouterConfig
-from .router_upstream import Pool, Server, UpstreamError, Upstreams
+from .config import RouterConfig
+from .upstream import Pool, Server, UpstreamError, Upstreams
 
 logger = logging.getLogger("vericache.router")
 

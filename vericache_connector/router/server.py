@@ -27,9 +27,9 @@ import signal
 import time
 import uuid
 
-from .router_config import RouterConfig, config_from_args, router_token
-from .router_decode import RoutedDecode, Wanted
-from .router_upstream import Pool, UpstreamError, Upstreams
+from .config import RouterConfig, config_from_args, router_token
+from .decode import RoutedDecode, Wanted
+from .upstream import Pool, UpstreamError, Upstreams
 
 logger = logging.getLogger("vericache.router")
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy

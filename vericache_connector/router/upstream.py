@@ -22,7 +22,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from .openai_verifier import _argmax
+from ..model.sampling import top_token
 
 MAX_ANSWER_BYTES = 64 << 20
 
@@ -145,7 +145,7 @@ class Upstreams:
             try:
                 choice = got["choices"][0]
                 plp, n = choice["prompt_logprobs"], len(prompt)
-                best = [_argmax(plp[n + j]) for j in range(len(drafts))] + [int(choice["token_ids"][0])]
+                best = [top_token(plp[n + j]) for j in range(len(drafts))] + [int(choice["token_ids"][0])]
             except (KeyError, IndexError, TypeError, ValueError) as e:
                 raise UpstreamError(server, f"unexpected answer ({type(e).__name__}: {e})") from None
         if not (isinstance(best, list) and len(best) == len(drafts) + 1 and all(type(t) is int for t in best)):
