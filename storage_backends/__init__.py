@@ -14,7 +14,8 @@ from .base import (
 )
 from .credentials import Mac, read_secret_file, redact_text, secret_from_env
 from .dual_store import DualCopyStore, PutResult
-from .keys import FULL, ChunkKey, KeySpace, chain_hashes, dtype_str, stored_prefix_len
+from .identity import dtype_str
+from .keys import FULL, ChunkKey, KeySpace, chain_hashes, stored_prefix_len
 from .manifest import LayerEntry, Manifest, UnauthenticatedObject, checksum
 from .serialization import deserialize, read_header, serialize
 from .throttle import ThrottledBackend, TokenBucket

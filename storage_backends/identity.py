@@ -16,6 +16,9 @@ the model, or under $VERICACHE_CACHE_DIR when the folder is read-only) under the
 inode, size, mtime and ctime. A copy (``cp -a`` keeps mtimes, and copies the cache file too) has new
 inodes, and an edit in place changes the ctime even when the mtime is set back, so either is re-hashed;
 the kernel sets the ctime, a user cannot restore it.
+
+The KV dtype's spelling (dtype_str, torch_dtype: LMCache's names) lives here too, the one place both the
+fingerprint and the keys (keys.py, lmcache_keys.py) take it from: this module imports neither of them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+import torch
 
 SIDECAR = ".vericache-fingerprint.json"
 CACHE_VERSION = 2  # v1 keyed the cache by (name, size, mtime) only: its entries are not trusted
@@ -37,6 +42,49 @@ TOKENIZER_FILES = (
 )
 DIGEST_CHARS = 16
 _READ = 8 << 20
+
+# LMCache's dtype spelling (lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE).
+_DTYPE_STR = {
+    torch.float16: "half",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
+for _name, _s in (
+    ("float8_e4m3fn", "fp8_e4m3fn"),
+    ("float8_e5m2", "fp8_e5m2"),
+    ("float8_e4m3fnuz", "fp8_e4m3fnuz"),
+    ("float8_e5m2fnuz", "fp8_e5m2fnuz"),
+):
+    if hasattr(torch, _name):
+        _DTYPE_STR[getattr(torch, _name)] = _s
+_STR_DTYPE = {v: k for k, v in _DTYPE_STR.items()}
+
+
+def dtype_str(dtype: torch.dtype | str) -> str:
+    """LMCache's name of a dtype; accepts a torch.dtype, an LMCache name or 'float16'."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_STR:
+            raise ValueError(f"unsupported dtype {dtype}")
+        return _DTYPE_STR[dtype]
+    if isinstance(dtype, str):
+        if dtype in _STR_DTYPE:
+            return dtype
+        t = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(t, torch.dtype) and t in _DTYPE_STR:
+            return _DTYPE_STR[t]
+    raise ValueError(f"unsupported dtype {dtype!r}")
+
+
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch.dtype of an LMCache dtype name (or of anything dtype_str accepts)."""
+    return _STR_DTYPE[dtype_str(dtype)]
 
 
 def _file_digest(path: Path) -> str:
@@ -113,9 +161,7 @@ def weights_digest(model_dir: str | os.PathLike) -> str:
 
 def model_fingerprint(model_dir: str | os.PathLike, dtype) -> str:
     """DIGEST_CHARS hex characters naming (checkpoint files, KV dtype). dtype: a torch.dtype or any
-    spelling keys.dtype_str accepts ('float32', 'float', torch.float32 give one fingerprint)."""
-    from .keys import dtype_str
-
+    spelling dtype_str accepts ('float32', 'float', torch.float32 give one fingerprint)."""
     h = hashlib.blake2b(f"{weights_digest(model_dir)}\0{dtype_str(dtype)}".encode(), digest_size=16)
     return h.hexdigest()[:DIGEST_CHARS]
 

@@ -21,53 +21,14 @@ from typing import Sequence
 
 import torch
 
+from .identity import dtype_str
+from .identity import torch_dtype as torch_dtype  # its old home: integration/lmcache/l2_config.py imports it here
+from .lmcache_keys import check_hashing, lmcache_chain_hashes, salt_tag
+
 DEFAULT_CHUNK_SIZE = 256
 FULL = "full"
 
-# LMCache's dtype spelling (lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE).
-_DTYPE_STR = {
-    torch.float16: "half",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.bool: "bool",
-}
-for _name, _s in (
-    ("float8_e4m3fn", "fp8_e4m3fn"),
-    ("float8_e5m2", "fp8_e5m2"),
-    ("float8_e4m3fnuz", "fp8_e4m3fnuz"),
-    ("float8_e5m2fnuz", "fp8_e5m2fnuz"),
-):
-    if hasattr(torch, _name):
-        _DTYPE_STR[getattr(torch, _name)] = _s
-_STR_DTYPE = {v: k for k, v in _DTYPE_STR.items()}
-
 _SPEC_RE = re.compile(r"^[A-Za-z0-9_.:=,+\-]+$")
-
-
-def dtype_str(dtype: torch.dtype | str) -> str:
-    """LMCache's name of a dtype; accepts a torch.dtype, an LMCache name or 'float16'."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPE_STR:
-            raise ValueError(f"unsupported dtype {dtype}")
-        return _DTYPE_STR[dtype]
-    if isinstance(dtype, str):
-        if dtype in _STR_DTYPE:
-            return dtype
-        t = getattr(torch, dtype.removeprefix("torch."), None)
-        if isinstance(t, torch.dtype) and t in _DTYPE_STR:
-            return _DTYPE_STR[t]
-    raise ValueError(f"unsupported dtype {dtype!r}")
-
-
-def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """The torch.dtype of an LMCache dtype name (or of anything dtype_str accepts)."""
-    return _STR_DTYPE[dtype_str(dtype)]
 
 
 def check_spec(spec: str) -> str:
@@ -149,8 +110,6 @@ class KeySpace:
         if not 0 <= self.worker_id < max(1, self.world_size):
             raise ValueError(f"bad worker_id {self.worker_id} for world_size {self.world_size}")
         object.__setattr__(self, "dtype_name", dtype_str(self.dtype))
-        from .lmcache_keys import check_hashing, salt_tag
-
         check_hashing(self.hashing)
         object.__setattr__(self, "_tag", salt_tag(self.cache_salt))
 
@@ -162,10 +121,7 @@ class KeySpace:
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.reshape(-1).tolist()
         n = len(token_ids)
-        if self.hashing == "lmcache":
-            from .lmcache_keys import lmcache_chain_hashes as hashes
-        else:
-            hashes = chain_hashes
+        hashes = lmcache_chain_hashes if self.hashing == "lmcache" else chain_hashes
         return [
             ChunkKey(self.base_key(h), h, i * self.chunk_size, min(n, (i + 1) * self.chunk_size))
             for i, h in enumerate(hashes(token_ids, self.chunk_size))

@@ -26,6 +26,8 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+from .identity import dir_model_id
+
 HASHINGS = ("vericache", "lmcache")
 SALT_MAX_LEN = 128  # LMCache's ObjectKey limit
 _SALT_FORBIDDEN = frozenset("@/\\\x00")  # ditto
@@ -77,8 +79,6 @@ def lmcache_chain_hashes(token_ids: Sequence[int], chunk_size: int = 256) -> lis
 def resolve_model_id(opts: dict, kv_dtype) -> str | None:
     """Take model_id / model_dir / model_name / kv_dtype out of opts: the id keys carry, or None (keep
     LMCache's model name)."""
-    from .identity import dir_model_id
-
     mid, mdir = opts.pop("model_id", None), opts.pop("model_dir", None)
     name, dtype = opts.pop("model_name", None), opts.pop("kv_dtype", None) or kv_dtype
     if mid and mdir:
