@@ -1,5 +1,5 @@
 """k8s/helm/values-lmcache-mp.yaml (LMCache multiprocess mode with VeriCache's store as its L2 tier), checked
-offline like the other values files (tests/unit/test_k8s.py's helpers): the chart's keys, the Kubernetes
+offline like the other values files (tests/support/k8s_objects.py's helpers): the chart's keys, the Kubernetes
 API schemas, credentials only from the Secret, and the server's --l2-adapter through LMCache's own parser."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 
 import kubernetes_validate
 import pytest
-from test_k8s import KUBE_VERSIONS, helm_values, kv_transfer_config, render_engine, values_validator
 
+from k8s_objects import KUBE_VERSIONS, helm_values, kv_transfer_config, render_engine, values_validator
 from stores import has_module, need
 
 OVERLAYS = ("values-s3.yaml", "values-lmcache-mp.yaml")
