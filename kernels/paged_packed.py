@@ -375,7 +375,9 @@ def random_packed_case(
     seed: int = 0,
 ) -> tuple:
     """Random arguments of packed_paged_attention (rows of these prefix / tail / query lengths, blocks
-    scattered over the pools in shuffled order, every code and scale valid): for the kernel checks."""
+    scattered over the pools in shuffled order, every code and scale valid): for the kernel checks, and for the
+    capacity model's kernel timings (vericache_connector/engine/calibrate.py): package code, so it ships here,
+    not in tests/support."""
     from .paged import new_paged_cache
 
     g = torch.Generator(device="cpu").manual_seed(seed)
