@@ -199,3 +199,18 @@ def drop_memory_store(name: str) -> None:
 
     with local_connector._MEMORY_LOCK:
         local_connector._MEMORY.pop(name, None)
+
+
+async def corrupt_full_chunk(
+    url: str, model: str, prefix: list[int], chunk: int, dtype, chunk_tokens: int = 256
+) -> None:
+    """Flip one byte in the middle of the stored full copy of one chunk of `prefix` (its manifest stays): a
+    load of that chunk fails its check (CorruptObject)."""
+    from storage_backends import DualCopyStore, Manifest
+
+    async with DualCopyStore(url, model, dtype, chunk_tokens) as st:
+        key = st.keys.chunks(prefix)[chunk].copy("full")
+        m = Manifest.from_bytes(await st.backend.get(key), key)
+        data = bytearray(await st.backend.get(m.payload_key))
+        data[len(data) // 2] ^= 0x40
+        await st.backend.put(m.payload_key, bytes(data))

