@@ -13,15 +13,25 @@ answers only `vericache router`). Every key may be left out; the store URL and t
 arguments), else the defaults below. The result is a RemoteCacheConfig, validated the same way as for
 the engine's own remote prefix cache. Errors never show a store password: URLs are shown redacted,
 and JSON text that does not parse is not echoed (the error gives the position).
+
+connector_spec() resolves all of it once, from vLLM's config, into the ConnectorSpec that both halves of
+the connector are built from (as vLLM's OffloadingConnector builds one spec for its scheduler and worker):
+the settings, the compressor they name (parsed here only), the served model's store name and the role,
+checked against what vLLM's config asks of the connector.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ...store.config import RemoteCacheConfig
+
+if TYPE_CHECKING:
+    from ...compressors import Compressor
 
 CONNECTOR_MODULE = "vericache_connector.vllm_connector"  # kv_connector_module_path (a stable re-export)
 PROPOSER_CLASS = "vericache_connector.vllm_proposer.CompressedKVProposer"  # speculative "model" (re-export)
@@ -42,6 +52,82 @@ KEYS = {  # extra-config key -> (RemoteCacheConfig field, type)
 ROLES = ("serve", "drafter")
 
 
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """What both halves of the connector are built from, resolved once from vLLM's config (connector_spec)."""
+
+    cfg: RemoteCacheConfig
+    compressor: Compressor  # cfg.compressor, resolved
+    model_name: str  # how store keys and manifests name the served model (model_name_of)
+    role: str  # one of ROLES
+    block_size: int  # vLLM's; cfg.chunk_size is a multiple of it
+    runs_proposer: bool  # the speculative config names our proposer: the worker hands it compressed copies
+
+    @property
+    def drafter(self) -> bool:
+        return self.role == "drafter"
+
+
+def connector_spec(vllm_config) -> ConnectorSpec:
+    """vLLM's config -> the connector's spec; ValueError naming a bad setting, or what this server would
+    need that vLLM's config does not give it."""
+    cfg, compressor, role = _resolve(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    proposer = runs_our_proposer(vllm_config)
+    if role == "drafter":
+        from . import draft_role  # imports vLLM: only where a connector is built
+
+        draft_role.check_server(compressor, proposer, cfg.compressor)
+    block_size = vllm_config.cache_config.block_size
+    if cfg.chunk_size % block_size:
+        raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of vLLM's block size {block_size}")
+    if compressor.needs_queries:
+        raise ValueError(
+            f"compressor {cfg.compressor!r} needs the prompt's attention queries, which "
+            f"vLLM does not hand to connectors; use a query-free one (kivi4, int8, fp8, "
+            f"turboquant-k4v3, streamingllm-4x, knorm-4x)"
+        )
+    return ConnectorSpec(cfg, compressor, model_name_of(vllm_config, cfg.model_name), role, block_size, proposer)
+
+
+def runs_our_proposer(vllm_config) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "method", None) == "custom_class" and spec.model == PROPOSER_CLASS
+
+
+def model_name_of(vllm_config, configured: str | None) -> str:
+    """How store keys and manifests name the served model: `configured` (kv_connector_extra_config's
+    model_name, which must then identify the weights), else the same identity the engine gives the
+    checkpoint ('name.fingerprint' of config, weights, tokenizer and dtype) for the folder vLLM loads:
+    the local directory, or the hub snapshot already on this machine. Failing both: the hub name with a
+    fingerprint of vLLM's config dict, the revision and the dtype."""
+    if configured:
+        return configured
+    from ...model.loader import config_identity, model_identity
+
+    mc = vllm_config.model_config
+    model, revision = str(mc.model), getattr(mc, "revision", None)
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return model_identity(path, mc.dtype)
+    snapshot = _hub_snapshot(model, revision)
+    if snapshot is not None:
+        return model_identity(snapshot, mc.dtype, name=model)
+    hf = getattr(mc, "hf_config", None)
+    config = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf or {})
+    return config_identity(model, config, revision, mc.dtype)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The local snapshot folder of a hub model, if this machine has it (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a hub name, not cached, no huggingface_hub
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
 def load_connector_config(
     extra: Mapping[str, Any] | str | None, env: Mapping[str, str] | None = None
 ) -> RemoteCacheConfig:
@@ -49,9 +135,16 @@ def load_connector_config(
 
     Raises ValueError naming the bad key or value.
     """
+    return _resolve(extra, env)[0]
+
+
+def _resolve(
+    extra: Mapping[str, Any] | str | None, env: Mapping[str, str] | None = None
+) -> tuple[RemoteCacheConfig, Compressor, str]:
+    """``kv_connector_extra_config`` -> (its RemoteCacheConfig, the compressor it names, its role)."""
     env = os.environ if env is None else env
     extra = _extra_dict(extra)
-    connector_role(extra)
+    role = connector_role(extra)
     fields: dict[str, Any] = {"url": DEFAULT_STORE}
     for key, var in ENV.items():
         if env.get(var):
@@ -70,8 +163,7 @@ def load_connector_config(
     cfg = RemoteCacheConfig(**fields)
     from ...compressors import get_compressor
 
-    get_compressor(cfg.compressor)  # ValueError naming an unknown compressor
-    return cfg
+    return cfg, get_compressor(cfg.compressor), role  # ValueError naming an unknown compressor
 
 
 def connector_role(extra: Mapping[str, Any] | str | None) -> str:

@@ -6,7 +6,8 @@
         "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0", "compressor": "kivi4"}}'
 
 Built as vLLM's own connectors are (OffloadingConnector): this class is a thin facade; vLLM creates it
-once per role and it forwards every call to the half for that role:
+once per role, config.py's connector_spec resolves vLLM's config into the ConnectorSpec (settings, compressor,
+model name, role) the half for that role is built from, and every call is forwarded to that half:
   scheduler.py  VeriCacheConnectorScheduler: which prompts to load, when a prompt's chunks are saved;
   worker.py     VeriCacheConnectorWorker: copies between vLLM's blocks and the store;
   handoff.py    DraftHandoff: compressed copies for the proposer (proposer.py), created here for the
@@ -19,7 +20,6 @@ recomputes those blocks: a store fault never fails a request, and never changes 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,11 +28,9 @@ from vllm.logger import init_logger
 
 from storage_backends import redact_url
 
-from ...compressors import get_compressor
-from ...model.loader import config_identity, model_identity
 from ...store.client import StoreClient
 from . import draft_role
-from .config import PROPOSER_CLASS, connector_role, load_connector_config
+from .config import connector_spec, model_name_of  # noqa: F401 - model_name_of: re-exported
 from .handoff import DraftHandoff
 from .metadata import VeriCacheMetadata
 from .scheduler import VeriCacheConnectorScheduler
@@ -41,98 +39,40 @@ from .worker import VeriCacheConnectorWorker
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
 
 
-def model_name_of(vllm_config, configured: str | None) -> str:
-    """How store keys and manifests name the served model: `configured` (kv_connector_extra_config's
-    model_name, which must then identify the weights), else the same identity the engine gives the
-    checkpoint ('name.fingerprint' of config, weights, tokenizer and dtype) for the folder vLLM loads:
-    the local directory, or the hub snapshot already on this machine. Failing both: the hub name with a
-    fingerprint of vLLM's config dict, the revision and the dtype."""
-    if configured:
-        return configured
-    mc = vllm_config.model_config
-    model, revision = str(mc.model), getattr(mc, "revision", None)
-    path = Path(model).expanduser()
-    if (path / "config.json").is_file():
-        return model_identity(path, mc.dtype)
-    snapshot = _hub_snapshot(model, revision)
-    if snapshot is not None:
-        return model_identity(snapshot, mc.dtype, name=model)
-    hf = getattr(mc, "hf_config", None)
-    config = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf or {})
-    return config_identity(model, config, revision, mc.dtype)
-
-
-def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
-    """The local snapshot folder of a hub model, if this machine has it (never downloads)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not a hub name, not cached, no huggingface_hub
-        return None
-    return path if (path / "config.json").is_file() else None
-
-
-def runs_our_proposer(vllm_config) -> bool:
-    spec = getattr(vllm_config, "speculative_config", None)
-    return spec is not None and getattr(spec, "method", None) == "custom_class" and spec.model == PROPOSER_CLASS
-
-
 class VeriCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None, **kwargs: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        tc = vllm_config.kv_transfer_config
-        self.cfg = cfg = load_connector_config(tc.kv_connector_extra_config)
-        self.drafter_role = connector_role(tc.kv_connector_extra_config) == "drafter"
-        if self.drafter_role:
-            draft_role.check_server(cfg.compressor, runs_our_proposer(vllm_config))
-        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and role == KVConnectorRole.SCHEDULER:
+        self.spec = spec = connector_spec(vllm_config)
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             logger.warning(
                 "kv_load_failure_policy is %r: a store fault during a load fails the request; set "
                 '"kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute instead',
-                tc.kv_load_failure_policy,
-            )
-        block_size = vllm_config.cache_config.block_size
-        if cfg.chunk_size % block_size:
-            raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of vLLM's block size {block_size}")
-        if get_compressor(cfg.compressor).needs_queries:
-            raise ValueError(
-                f"compressor {cfg.compressor!r} needs the prompt's attention queries, which "
-                f"vLLM does not hand to connectors; use a query-free one (kivi4, int8, fp8, "
-                f"turboquant-k4v3, streamingllm-4x, knorm-4x)"
+                policy,
             )
         mc = vllm_config.model_config
-        client = StoreClient(
-            cfg, model_name_of(vllm_config, cfg.model_name), mc.dtype, f"vericache-{role.name.lower()}"
-        )
+        self._client = client = StoreClient(spec.cfg, spec.model_name, mc.dtype, f"vericache-{role.name.lower()}")
         self.connector_scheduler: VeriCacheConnectorScheduler | None = None
         self.connector_worker: VeriCacheConnectorWorker | None = None
         self.draft_handoff: DraftHandoff | None = None
         scheduler_cls, worker_cls = VeriCacheConnectorScheduler, VeriCacheConnectorWorker
-        if self.drafter_role:
+        if spec.drafter:
             scheduler_cls, worker_cls = draft_role.DrafterScheduler, draft_role.DrafterWorker
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = scheduler_cls(cfg, block_size, client)
+            self.connector_scheduler = scheduler_cls(spec, client)
         else:
-            self.draft_handoff = DraftHandoff() if runs_our_proposer(vllm_config) else None
-            self.connector_worker = worker_cls(
-                cfg,
-                block_size,
-                mc.get_num_kv_heads(vllm_config.parallel_config),
-                mc.get_head_size(),
-                client,
-                self.draft_handoff,
-            )
-        self._client = client
+            self.draft_handoff = DraftHandoff() if spec.runs_proposer else None
+            heads, head_dim = mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
+            self.connector_worker = worker_cls(spec, heads, head_dim, client, self.draft_handoff)
         logger.info(
             "VeriCacheConnector (%s): store %s, compressor %s, chunk %d%s",
             role.name,
-            redact_url(cfg.url),
-            cfg.compressor,
-            cfg.chunk_size,
+            redact_url(spec.cfg.url),
+            spec.cfg.compressor,
+            spec.cfg.chunk_size,
             "; DRAFTER role: loads compressed copies only (never the full copy), saves nothing; this server's "
             "output is DRAFTS, never answers: only vericache router may call it"
-            if self.drafter_role
+            if spec.drafter
             else "",
         )
 

@@ -33,7 +33,7 @@ import time
 import torch
 from vllm.logger import init_logger
 
-from ...compressors import GROUPS, LayeredKV, get_compressor
+from ...compressors import GROUPS, Compressor, LayeredKV, get_compressor
 from ...router.config import router_token
 from .metadata import LoadSpec, VeriCacheMetadata
 from .paged_layout import scatter_tokens
@@ -50,18 +50,20 @@ REFUSED = (
 )
 
 
-def keeps_every_token(spec: str) -> bool:
+def keeps_every_token(compressor: Compressor) -> bool:
     """A quantizer's copy (kivi, int8, fp8, turboquant, ...) holds every token; token dropping does not."""
     quantizers = next(names for names in GROUPS.values() if "kivi" in names)
-    return get_compressor(spec).name in quantizers
+    return compressor.name in quantizers
 
 
-def check_server(compressor: str, runs_proposer: bool) -> None:
-    """What a drafter-role server must have before it serves: ValueError naming what is missing."""
-    if not keeps_every_token(compressor):
+def check_server(compressor: Compressor | str, runs_proposer: bool, name: str | None = None) -> None:
+    """What a drafter-role server must have before it serves: ValueError naming what is missing.
+    `compressor`: the resolved compressor (`name`: its spec as configured, for the errors), or that spec."""
+    name = compressor if isinstance(compressor, str) else name or compressor.spec
+    if not keeps_every_token(get_compressor(compressor)):  # a resolved compressor is used as it is
         raise ValueError(
             f"the drafter role needs a compressor that keeps every token (a quantizer: kivi4, int8, fp8, "
-            f"turboquant-k4v3, ...): {compressor!r} drops tokens, whose K/V vLLM's blocks would then lack"
+            f"turboquant-k4v3, ...): {name!r} drops tokens, whose K/V vLLM's blocks would then lack"
         )
     if runs_proposer:
         raise ValueError("the drafter role does not run the compressed-KV proposer: drop --speculative-config")
@@ -117,19 +119,15 @@ class RouterOnly:
 class DrafterScheduler(VeriCacheConnectorScheduler):
     """Loads the longest stored prefix that has a compressed copy; never saves (its KV is lossy)."""
 
-    def __init__(self, cfg, block_size, client):
-        super().__init__(cfg, block_size, client)
-        self.spec = get_compressor(cfg.compressor).spec
-
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid, prompt = request.request_id, list(request.prompt_token_ids or [])
         if self._loaded.pop(rid, None) is not None or connector_off(request):  # asked again: its load failed
             return 0, False
         stored = self.stored_len(prompt)
-        lengths = range(stored, num_computed_tokens, -self.cfg.chunk_size)
+        lengths, copy = range(stored, num_computed_tokens, -self.cfg.chunk_size), self.compressor.spec
         try:
             for n in list(lengths)[:MAX_CANDIDATES]:
-                if self.client.call(self.client.store.has_compressed(prompt[:n], self.spec)):
+                if self.client.call(self.client.store.has_compressed(prompt[:n], copy)):
                     self._lookups[rid] = n
                     return n - num_computed_tokens, True
         except Exception as e:  # down or slow: a miss (vLLM computes the prompt), never a failed request

@@ -24,7 +24,7 @@ from vllm.logger import init_logger
 from storage_backends import stored_prefix_len
 
 from ...store.client import StoreClient
-from ...store.config import RemoteCacheConfig
+from .config import ConnectorSpec
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 
 logger = init_logger("vllm.vericache")
@@ -47,8 +47,8 @@ class _Pending:  # a request whose prompt is not yet saved
 
 
 class VeriCacheConnectorScheduler:
-    def __init__(self, cfg: RemoteCacheConfig, block_size: int, client: StoreClient):
-        self.cfg, self.block_size, self.client = cfg, block_size, client
+    def __init__(self, spec: ConnectorSpec, client: StoreClient):
+        self.cfg, self.block_size, self.compressor, self.client = spec.cfg, spec.block_size, spec.compressor, client
         self._lookups: dict[str, int] = {}  # req_id -> stored tokens to load
         self._loads: dict[str, LoadSpec] = {}
         self._pending: dict[str, _Pending] = {}

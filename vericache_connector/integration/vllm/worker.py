@@ -25,11 +25,11 @@ import time
 import torch
 from vllm.logger import init_logger
 
-from ...compressors import LayeredKV, PrefixKV, get_compressor
+from ...compressors import LayeredKV, PrefixKV
 from ...compressors.split16 import COMPLEMENT, Split16Compressor, digest
 from ...store.client import StoreClient
-from ...store.config import RemoteCacheConfig
 from ...store.full_copy import stream_full_copy
+from .config import ConnectorSpec
 from .handoff import Deferred, DraftHandoff
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
@@ -46,16 +46,14 @@ IDLE_WAIT_S = 0.02
 class VeriCacheConnectorWorker:
     def __init__(
         self,
-        cfg: RemoteCacheConfig,
-        block_size: int,
+        spec: ConnectorSpec,
         num_kv_heads: int,
         head_dim: int,
         client: StoreClient,
         handoff: DraftHandoff | None,
     ):
-        self.cfg, self.block_size, self.client = cfg, block_size, client
+        self.cfg, self.block_size, self.compressor, self.client = spec.cfg, spec.block_size, spec.compressor, client
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.compressor = get_compressor(cfg.compressor)
         self.split = isinstance(self.compressor, Split16Compressor)  # the compressed copy is half of the full
         self.handoff = handoff
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
