@@ -5,15 +5,12 @@ The processes get the token and the CURVE keys below by environment (never argv)
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "verifier-test-token-0123456789abcdef"  # tests only; real ones come from a Secret
@@ -114,15 +111,6 @@ def drafter(store: str, verifier_url: str, log_path: str, *extra: str) -> Proc:
 
 def fake_verifier(mode: str, log_path: str) -> Proc:
     return Proc([sys.executable, os.path.join(SUPPORT, "fake_verifier.py"), mode], log_path, ready_s=60)
-
-
-def generate(url: str, body: dict, timeout_s: float = 300) -> dict:
-    req = urllib.request.Request(url + "/v1/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return {"status": e.code, **json.loads(e.read() or b"{}")}
 
 
 def usage(url: str):

@@ -13,9 +13,10 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-from verifier_procs import TOKEN, client_env, dealer, drafter, generate, proc_env, seed_store, usage, verifier
+from verifier_procs import TOKEN, client_env, dealer, drafter, proc_env, seed_store, usage, verifier
 
 from vericache_connector.data import load_prompt
+from vericache_connector.demo.procs import generate
 from vericache_connector.engine.speculative import DecodeConfig
 from vericache_connector.remote import RemoteCacheConfig, RemotePrefixCache, rpc
 
