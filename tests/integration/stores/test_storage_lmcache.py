@@ -211,6 +211,17 @@ def put_raw(url, key_str, data):
     run(open_backend(url).put(key_str, data))
 
 
+def assert_each_is_a_miss(caplog, url: str, connector, key, cases: dict[str, bytes]) -> None:
+    """Each case's bytes, stored in turn as the object of `key` (under LMCache's own key string), are a miss
+    on get, with a warning saying so."""
+    with caplog.at_level(logging.WARNING):
+        for name, data in cases.items():
+            put_raw(url, key.to_string(), data)
+            caplog.clear()
+            assert get_now(connector, key) is None, name
+            assert any("miss" in r.getMessage() for r in caplog.records), name
+
+
 def test_crafted_objects_with_a_valid_crc_are_misses(memory_url, caplog):
     """Issue 13, case 5: a header the CRC does not protect, or a payload shorter than its shapes, used to
     escape get as an exception or hand back stale buffer bytes. Now each is a miss with a warning."""
@@ -235,12 +246,7 @@ def test_crafted_objects_with_a_valid_crc_are_misses(memory_url, caplog):
             "huge shape": craft(good, shapes=[[1 << 20, 1 << 20, 1 << 20]]),
             "other dtype": craft(good, dtypes=["bfloat16"]),
         }
-        with caplog.at_level(logging.WARNING):
-            for name, data in cases.items():
-                put_raw(memory_url, key_str, data)
-                caplog.clear()
-                assert get_now(connector, keys[0]) is None, name
-                assert any("miss" in r.getMessage() for r in caplog.records), name
+        assert_each_is_a_miss(caplog, memory_url, connector, keys[0], cases)
         put_raw(memory_url, key_str, good)
         got = get_now(connector, keys[0])
         assert got is not None and torch.equal(got.tensor, ref[0])
