@@ -34,7 +34,7 @@ import torch
 
 from ..model.sampling import emit, verify
 from .config import RouterConfig
-from .upstream import Pool, Server, UpstreamError, Upstreams
+from .upstream import ClientError, Pool, Server, UpstreamError, Upstreams
 
 logger = logging.getLogger("vericache.router")
 
@@ -82,7 +82,7 @@ class RoutedDecode:
 
     async def run(self, out: asyncio.Queue) -> None:
         """Put each list of newly emitted tokens on `out`, then None; raises UpstreamError if no verifier can
-        finish the request."""
+        finish the request, ClientError if a verifier refuses it (a bad input: no server is marked faulted)."""
         try:
             tried: set[str] = set()
             if self.want.temperature > 0 or not self.drafters.servers:
@@ -93,7 +93,7 @@ class RoutedDecode:
                     await self._speculate(verifier, out)
                 except (UpstreamError, Fault) as e:
                     server = getattr(e, "server", None)
-                    if server is not None:
+                    if server is not None and not isinstance(e, ClientError):  # a refused input is no fault
                         (self.verifiers if server.role == "verifier" else self.drafters).fault(server)
                         if server.role == "verifier":
                             tried.add(server.url)
@@ -110,6 +110,8 @@ class RoutedDecode:
                     break
                 try:
                     await self._plain(server, out)
+                except ClientError:  # vLLM refuses the request itself: every verifier would; its answer goes back
+                    raise
                 except UpstreamError as e:
                     self.verifiers.fault(server)
                     self.stats.cause = str(e)
@@ -149,103 +151,36 @@ class RoutedDecode:
 
     # ---- drafts verified --------------------------------------------------------------------------------
     async def _speculate(self, verifier: Server, out: asyncio.Queue) -> None:
-        cfg, w = self.cfg, self.want
         drafter = self.drafters.pick()
         self.stats.verifier, self.stats.drafter = verifier.url, drafter.url
-        events: asyncio.Queue = asyncio.Queue()
-        spec: list[int] = []
-        cheap = cfg.verify_api == "route"
-        send_at, k_cap = (cfg.k_min if cheap else cfg.draft_k), max(cfg.k_max, cfg.draft_k)
-        gen, stream_task, stream_done, call_task, sent = 0, None, True, None, 0
-        expect: int | None = None  # all drafts sent were accepted and none came after: the next must be this
-
-        def budget() -> int:  # tokens still to emit
-            return w.max_tokens - len(self.emitted)
-
-        def start_stream() -> None:
-            nonlocal gen, stream_task, stream_done
-            if stream_task is not None:
-                stream_task.cancel()
-            gen += 1
-            m = min(budget() - 1, k_cap) - len(spec)  # drafts past the budget or the cap are never sent
-            stream_done, stream_task = m <= 0, None
-            if m > 0:
-                self.stats.streams += 1
-                stream_task = asyncio.create_task(
-                    self._drafts(drafter, self.prompt + self.emitted + spec, m, gen, events)
-                )
-
-        def send(x: int, timeout_s: float) -> None:
-            nonlocal call_task, sent
-            sent = x
-            call_task = asyncio.create_task(self._verify(verifier, list(self.emitted), spec[:x], timeout_s, events))
-
-        def drafts_to_send() -> int:
-            x = min(len(spec), budget() - 1, k_cap)
-            if not w.ignore_eos:
-                x = min(x, next((i + 1 for i, t in enumerate(spec) if t in w.eos), x))
-            return max(0, x)
-
-        send(0, cfg.open_timeout_s)
-        start_stream()
+        loop = _Loop(self, verifier, drafter)
+        loop.send(0, self.cfg.open_timeout_s)  # the opening call: the verifier loads the prompt's full copy
+        loop.start_stream()
         try:
             while not self.done:
-                kind, *ev = await events.get()
-                if kind == "drafts" and ev[0] == gen:
-                    ids = ev[1]
-                    self.stats.drafted += len(ids)
-                    if expect is not None:  # the stream's next token must be the one just verified
-                        if ids[0] != expect:
-                            expect = None
-                            start_stream()
-                            continue
-                        ids, expect = ids[1:], None
-                    spec.extend(ids)
-                elif kind == "drafts-end" and ev[0] == gen:
-                    stream_done = True
-                    if ev[1] is not None:
-                        raise ev[1]
-                    if expect is not None:  # it ended on the verified path: go on from there
-                        expect = None
-                        start_stream()
+                kind, *ev = await loop.events.get()
+                if kind == "drafts" and ev[0] == loop.gen:
+                    loop.on_drafts(ev[1])
+                elif kind == "drafts-end" and ev[0] == loop.gen:
+                    loop.on_stream_end(ev[1])
                 elif kind == "verdict":
-                    drafts, best = ev
-                    call_task = None
-                    n_t = verify(torch.tensor([drafts], dtype=torch.long).view(1, -1), torch.tensor([best]))
-                    n, t = int(n_t[0][0]), int(n_t[1][0])
-                    if not 0 <= n <= len(drafts):
-                        raise Fault(f"verdict accepted {n} of {len(drafts)} drafts")
-                    self.stats.verify_calls += 1
-                    self.stats.accepted.append(n)
-                    await self._emit(drafts[:n] + [t], out)
-                    if self.done:
-                        break
-                    ahead = spec[sent:]  # drafted while the call was in flight
-                    spec.clear()
-                    if n == sent and ahead and ahead[0] == t:  # still on the verified path: keep drafting
-                        spec.extend(ahead[1:])
-                    elif n == sent and not ahead and not stream_done:  # so far: check its next draft
-                        expect = t
-                    else:  # a rejection, or nothing more to come: draft again from prompt + emitted
-                        start_stream()
-                    eos_ahead = not w.ignore_eos and any(x in w.eos for x in spec)
-                    if stream_done and expect is None and budget() - 1 > len(spec) and not eos_ahead:
-                        start_stream()
+                    await loop.on_verdict(*ev, out)
                 elif kind == "fault":
                     raise ev[0]
-                if call_task is None and not self.done:
-                    eos_ahead = not w.ignore_eos and any(t in w.eos for t in spec)
-                    if len(spec) >= min(send_at, budget() - 1) or stream_done or eos_ahead or len(spec) >= k_cap:
-                        send(drafts_to_send(), cfg.verify_timeout_s)
+                if loop.call is None and not self.done and loop.ready_to_send():
+                    # a verifier that has not answered drafts yet gets the opening deadline (its first forward
+                    # over drafts may be slow: vLLM warms up, the full copy still loads)
+                    loop.send(
+                        loop.drafts_to_send(), self.cfg.verify_timeout_s if verifier.warm else self.cfg.open_timeout_s
+                    )
         finally:
-            for task in (stream_task, call_task):
-                if task is not None:
-                    task.cancel()
+            loop.stop()
 
     async def _verify(self, server: Server, emitted: list[int], drafts: list[int], timeout_s: float, events) -> None:
         t0 = time.perf_counter()
         try:
             best = await self.up.verify(server, self.prompt + emitted, drafts, self.cfg.verify_api, timeout_s)
+            server.warm = server.warm or bool(drafts)
             await events.put(("verdict", drafts, best))
         except UpstreamError as e:
             await events.put(("fault", e))
@@ -263,3 +198,110 @@ class RoutedDecode:
             await events.put(("drafts-end", gen, None))
         except UpstreamError as e:
             await events.put(("drafts-end", gen, e))
+
+
+class _Loop:
+    """One request's draft / verify state (RoutedDecode._speculate): S = prompt + emitted + spec.
+
+    spec      the drafts beyond the verified tokens
+    gen       the drafter stream's generation: a restarted stream's events are told from stale ones
+    sent      how many of spec the call in flight carries
+    expect    all drafts sent were accepted and none came after: the stream's next draft must be this token
+    """
+
+    def __init__(self, decode: RoutedDecode, verifier: Server, drafter: Server):
+        cfg = decode.cfg
+        self.d, self.verifier, self.drafter = decode, verifier, drafter
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.spec: list[int] = []
+        self.gen, self.sent, self.expect = 0, 0, None
+        self.stream: asyncio.Task | None = None
+        self.stream_done = True
+        self.call: asyncio.Task | None = None
+        self.send_at = cfg.k_min if cfg.verify_api == "route" else cfg.draft_k
+        self.k_cap = max(cfg.k_max, cfg.draft_k)
+
+    def budget(self) -> int:  # tokens still to emit
+        return self.d.want.max_tokens - len(self.d.emitted)
+
+    def eos_ahead(self) -> bool:
+        return not self.d.want.ignore_eos and any(t in self.d.want.eos for t in self.spec)
+
+    def start_stream(self) -> None:
+        """A drafter stream from S; drafts past the budget or the cap are never sent, so never asked for."""
+        if self.stream is not None:
+            self.stream.cancel()
+        self.gen += 1
+        m = min(self.budget() - 1, self.k_cap) - len(self.spec)
+        self.stream_done, self.stream = m <= 0, None
+        if m > 0:
+            self.d.stats.streams += 1
+            seq = self.d.prompt + self.d.emitted + self.spec
+            self.stream = asyncio.create_task(self.d._drafts(self.drafter, seq, m, self.gen, self.events))
+
+    def send(self, x: int, timeout_s: float) -> None:
+        self.sent = x
+        drafts = self.spec[:x]
+        self.call = asyncio.create_task(
+            self.d._verify(self.verifier, list(self.d.emitted), drafts, timeout_s, self.events)
+        )
+
+    def ready_to_send(self) -> bool:
+        return (
+            len(self.spec) >= min(self.send_at, self.budget() - 1)
+            or self.stream_done
+            or self.eos_ahead()
+            or len(self.spec) >= self.k_cap
+        )
+
+    def drafts_to_send(self) -> int:
+        x = min(len(self.spec), self.budget() - 1, self.k_cap)
+        if not self.d.want.ignore_eos:
+            x = min(x, next((i + 1 for i, t in enumerate(self.spec) if t in self.d.want.eos), x))
+        return max(0, x)
+
+    def on_drafts(self, ids: list[int]) -> None:
+        self.d.stats.drafted += len(ids)
+        if self.expect is not None:  # the stream's next token must be the one just verified
+            if ids[0] != self.expect:
+                self.expect = None
+                self.start_stream()
+                return
+            ids, self.expect = ids[1:], None
+        self.spec.extend(ids)
+
+    def on_stream_end(self, error: BaseException | None) -> None:
+        self.stream_done = True
+        if error is not None:
+            raise error
+        if self.expect is not None:  # it ended on the verified path: go on from there
+            self.expect = None
+            self.start_stream()
+
+    async def on_verdict(self, drafts: list[int], best: list[int], out: asyncio.Queue) -> None:
+        """THE accept rule on the verifier's greedy tokens, then the emit rule; drafting goes on from there."""
+        self.call = None
+        n_t = verify(torch.tensor([drafts], dtype=torch.long).view(1, -1), torch.tensor([best]))
+        n, t = int(n_t[0][0]), int(n_t[1][0])
+        if not 0 <= n <= len(drafts):
+            raise Fault(f"verdict accepted {n} of {len(drafts)} drafts")
+        self.d.stats.verify_calls += 1
+        self.d.stats.accepted.append(n)
+        await self.d._emit(drafts[:n] + [t], out)
+        if self.d.done:
+            return
+        ahead = self.spec[self.sent :]  # drafted while the call was in flight
+        self.spec.clear()
+        if n == self.sent and ahead and ahead[0] == t:  # still on the verified path: keep drafting
+            self.spec.extend(ahead[1:])
+        elif n == self.sent and not ahead and not self.stream_done:  # so far: check its next draft
+            self.expect = t
+        else:  # a rejection, or nothing more to come: draft again from prompt + emitted
+            self.start_stream()
+        if self.stream_done and self.expect is None and self.budget() - 1 > len(self.spec) and not self.eos_ahead():
+            self.start_stream()
+
+    def stop(self) -> None:
+        for task in (self.stream, self.call):
+            if task is not None:
+                task.cancel()

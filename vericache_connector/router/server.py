@@ -7,7 +7,7 @@
 
 POST /v1/completions and /v1/chat/completions, streamed or not, answer like vLLM's own server. A greedy
 request (temperature 0, no options that change greedy decoding) runs the draft / verify loop
-(router_decode.py): drafts from a drafter-role vLLM server on the compressed copy, checked by a verifier
+(decode.py): drafts from a drafter-role vLLM server on the compressed copy, checked by a verifier
 beside the store, each verified token streamed as soon as it is verified; its output is the verifier's
 own greedy output. Everything else (sampling, stop strings, logprobs, n > 1, penalties, tools, ...) is
 passed to a verifier as it came and its answer passed back: plain decoding there, exact by construction.
@@ -29,19 +29,10 @@ import uuid
 
 from .config import RouterConfig, config_from_args, router_token
 from .decode import RoutedDecode, Wanted
-from .upstream import Pool, UpstreamError, Upstreams
+from .openai_api import CHAT, COMPLETIONS, NEUTRAL, Parsed, Reply, Text, error_body, parse, sse
+from .upstream import ClientError, Pool, UpstreamError, Upstreams
 
 logger = logging.getLogger("vericache.router")
-GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy
-SHARED = {"model", "max_tokens", "temperature", "stream", "stream_options", "ignore_eos", "return_token_ids", "user"}
-SHARED |= {"n", "seed", "top_p", "top_k", "min_p", "request_id", "repetition_penalty", "frequency_penalty"}
-SHARED |= {"presence_penalty"}
-SPECULATED = {  # the fields a drafted request may carry (anything else: passed to a verifier as it came)
-    "/v1/completions": SHARED | {"prompt", "add_special_tokens"},
-    "/v1/chat/completions": SHARED
-    | {"messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
-}
-NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 class Router:
@@ -81,41 +72,27 @@ class Router:
             self.tokenizer, self.eos, self.defaults = await asyncio.to_thread(load_tokenizer, path)
 
     # ---- a request --------------------------------------------------------------------------------------
-    def speculable(self, path: str, body: dict) -> bool:
-        if not self.drafters.servers or set(body) - SPECULATED[path]:
-            return False
-        t = body.get("temperature")
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < GREEDY_EPS:
-            return False  # absent: the verifier's default (1.0 unless its generation config says otherwise)
-        if body.get("n", 1) != 1 or not isinstance(body.get("stream_options") or {}, dict):
-            return False
-        return all(body.get(k, self.defaults.get(k, v)) == v for k, v in NEUTRAL.items())
+    def parse(self, path: str, body: dict) -> Parsed | None:
+        """The request to draft for, or None: plain decoding on a verifier (openai_api.parse)."""
+        if not self.drafters.servers:
+            return None
+        return parse(path, body, self.defaults, len(self.tokenizer))
 
-    async def prompt_ids(self, path: str, body: dict) -> list[int] | None:
-        """The prompt as the verifier tokenizes it; None for what is passed on (a batch, embeddings)."""
-        if path == "/v1/chat/completions":
-            keys = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-            return await self.up.tokenize(self.verifiers.pick(), {k: body[k] for k in keys if k in body}, 60.0)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-            return prompt
-        if isinstance(prompt, str) and prompt:
-            tk = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
-            return await self.up.tokenize(self.verifiers.pick(), tk, 60.0)
-        return None
+    async def prompt_ids(self, req: Parsed) -> list[int]:
+        """The prompt as the verifier tokenizes it."""
+        if req.prompt_ids is not None:
+            return req.prompt_ids
+        return await self.up.tokenize(self.verifiers.pick(), req.tokenize, 60.0)
 
-    def wanted(self, path: str, body: dict, n_prompt: int) -> Wanted:
+    def wanted(self, req: Parsed, n_prompt: int) -> Wanted | None:
+        """What to decode; None past the context length (the verifier answers that with vLLM's own 400)."""
         limit = self.verifiers.servers[0].max_model_len
-        default = 16 if path == "/v1/completions" else (limit - n_prompt if limit else None)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or default
-        if type(max_tokens) is not int or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if limit and n_prompt + max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} to generate)"
-            )
-        return Wanted(max_tokens=max_tokens, ignore_eos=bool(body.get("ignore_eos", False)), eos=self.eos)
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - n_prompt if req.chat and limit else 16
+        if max_tokens < 1 or (limit and n_prompt + max_tokens > limit):
+            return None
+        return Wanted(max_tokens=max_tokens, ignore_eos=req.ignore_eos, eos=self.eos)
 
 
 def load_tokenizer(path: str | None):
@@ -137,28 +114,12 @@ def load_tokenizer(path: str | None):
     return tok, frozenset(eos), defaults
 
 
-class Text:
-    """Incremental detokenization: the text each new chunk of token ids adds (held back while it ends in
-    an incomplete UTF-8 sequence)."""
-
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.text = tokenizer, [], ""
-
-    def add(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        new = self.tok.decode(self.ids, skip_special_tokens=True)
-        if (new.endswith("\ufffd") and not final) or not new.startswith(self.text):
-            return ""
-        delta, self.text = new[len(self.text) :], new
-        return delta
-
-
-def error_body(message: str, status: int, kind: str = "BadRequestError") -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
 def make_app(router: Router):
+    """The routes: each handler decides where a request goes; Reply (openai_api.py) shapes the answer."""
     from aiohttp import web
+
+    def failed(message: str, status: int, kind: str):
+        return web.json_response(error_body(message, status, kind), status=status)
 
     async def health(_):
         return web.Response(text="ok")
@@ -167,7 +128,7 @@ def make_app(router: Router):
         try:
             await router.ready()
         except (UpstreamError, ValueError, OSError) as e:
-            return web.json_response(error_body(str(e), 503, "ServiceUnavailable"), status=503)
+            return failed(str(e), 503, "ServiceUnavailable")
         card = {"id": router.name, "object": "model", "created": int(time.time()), "owned_by": "vericache"}
         return web.json_response({"object": "list", "data": [card]})
 
@@ -178,70 +139,64 @@ def make_app(router: Router):
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
-            return web.json_response(error_body(f"bad body: {e}", 400), status=400)
+            return failed(f"bad body: {e}", 400, "BadRequestError")
         try:
             await router.ready()
         except (UpstreamError, ValueError, OSError) as e:
-            return web.json_response(error_body(str(e), 503, "ServiceUnavailable"), status=503)
-        if body.get("model") not in (None, router.name):
-            msg = f"The model `{body.get('model')}` does not exist."
-            return web.json_response(error_body(msg, 404, "NotFoundError"), status=404)
-        if not router.speculable(path, body):
+            return failed(str(e), 503, "ServiceUnavailable")
+        model = body.get("model")
+        if isinstance(model, str) and model != router.name:
+            return failed(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        req = router.parse(path, body)
+        if req is None:
             return await proxy(request, path, body)
         try:
-            ids = await router.prompt_ids(path, body)
-            if ids is None:
-                return await proxy(request, path, body)
-            want = router.wanted(path, body, len(ids))
-        except ValueError as e:
-            return web.json_response(error_body(str(e), 400), status=400)
+            ids = await router.prompt_ids(req)
+        except ClientError as e:  # the verifier refused the prompt: its answer, as it gave it
+            return web.json_response(e.answer, status=e.status)
         except UpstreamError as e:
-            return web.json_response(error_body(str(e), 502, "BadGateway"), status=502)
-        return await answer(request, path, body, ids, want)
+            return failed(str(e), 502, "BadGateway")
+        want = router.wanted(req, len(ids))
+        if want is None:
+            return await proxy(request, path, body)
+        return await answer(request, req, ids, want)
 
-    async def answer(request, path, body, ids, want):
-        """Run the loop; stream each verified chunk, or answer once at the end."""
-        chat = path == "/v1/chat/completions"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created, t0 = int(time.time()), time.perf_counter()
+    async def answer(request, req: Parsed, ids: list[int], want: Wanted):
+        """Run the loop; stream each verified chunk, or answer once at the end. A client that goes away
+        stops the loop (within one verify call) with one log line."""
+        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        reply, t0 = Reply(rid, int(time.time()), router.name, req), time.perf_counter()
         decode = RoutedDecode(router.cfg, router.up, router.drafters, router.verifiers, ids, want)
         out: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(decode.run(out))
-        text, stream = Text(router.tokenizer), bool(body.get("stream"))
-        with_ids = bool(body.get("return_token_ids"))
-
-        def chunk(delta: str, new: list[int], finish: str | None, first: bool = False) -> dict:
-            if chat:
-                d = ({"role": "assistant"} if first else {}) | ({"content": delta} if delta or first else {})
-                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-            if with_ids:
-                c["token_ids"] = new
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            return {"id": rid, "object": obj, "created": created, "model": router.name, "choices": [c]}
-
-        resp = None
+        text, resp = Text(router.tokenizer), None
         try:
-            if stream:
+            if req.stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await resp.prepare(request)
-                await resp.write(sse(chunk("", [], None, first=True)) if chat else b"")
-            while (new := await out.get()) is not None:
+                await write(resp, sse(reply.chunk("", [], None, first=True)) if req.chat else b"")
+            while (new := await watched(request, out.get())) is not None:
                 delta = text.add(new)
-                if stream:
-                    await resp.write(sse(chunk(delta, new, None)))
+                if req.stream:
+                    await write(resp, sse(reply.chunk(delta, new, None)))
             await task  # raises when no verifier could finish the request
+        except ClientGone:
+            logger.info("router: %s: the client went away after %d tokens; stopped", rid, len(decode.emitted))
+            return resp or web.Response(status=499)
+        except ClientError as e:  # a verifier refused the request (vLLM's 4xx): its answer, as it gave it
+            if resp is None:
+                return web.json_response(e.answer, status=e.status)
+            await resp.write(sse(e.answer) + b"data: [DONE]\n\n")
+            return resp
         except UpstreamError as e:
             logger.warning("router: %s failed: %s", rid, e)
             if resp is None:
-                return web.json_response(error_body(str(e), 502, "BadGateway"), status=502)
+                return failed(str(e), 502, "BadGateway")
             await resp.write(sse(error_body(str(e), 502, "BadGateway")) + b"data: [DONE]\n\n")
             return resp
         finally:
             if not task.done():
                 task.cancel()
-        tail = text.add([], final=True)
         tokens, st = decode.emitted, decode.stats
         at_eos = bool(tokens) and tokens[-1] in want.eos and not want.ignore_eos
         finish = "length" if len(tokens) >= want.max_tokens and not at_eos else "stop"
@@ -253,22 +208,14 @@ def make_app(router: Router):
             rid, len(ids), len(tokens), st.path, f" ({st.cause})" if st.cause else "", st.verify_calls, st.verify_s,
             st.accepted, st.drafted, st.streams, st.first_token_s or -1, served["total_s"],
         )  # fmt: skip
-        if stream:
-            last = chunk(tail, [], finish)
+        if req.stream:
+            last = reply.chunk("", [], finish)
             last["vericache"] = served
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if req.include_usage:
                 last["usage"] = usage
             await resp.write(sse(last) + b"data: [DONE]\n\n")
             return resp
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text.text}, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text.text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        if with_ids:
-            choice["token_ids"] = tokens
-        obj = "chat.completion" if chat else "text_completion"
-        full = {"id": rid, "object": obj, "created": created, "model": router.name, "choices": [choice]}
-        return web.json_response({**full, "usage": usage, "vericache": served})
+        return web.json_response({**reply.whole(text.text, tokens, finish, usage), "vericache": served})
 
     async def proxy(request, path, body):
         """Plain decoding on a verifier: the body as it came (the verifier's model name), its answer back."""
@@ -278,16 +225,26 @@ def make_app(router: Router):
         while (server := router.verifiers.pick(avoid=tried)) is not None:
             tried.add(server.url)
             resp = None
-            try:
+
+            async def relay():
+                nonlocal resp
                 await router.up.describe(server)
+                # the verifier's model name, unless the client's is not a name at all (vLLM refuses that)
+                sent = {**body, "model": server.model} if isinstance(body.get("model"), (str, type(None))) else body
                 async with router.up.session.post(
-                    server.url + path, data=json.dumps({**body, "model": server.model}), headers=router.up.headers
+                    server.url + path, data=json.dumps(sent), headers=router.up.headers
                 ) as r:
                     resp = web.StreamResponse(status=r.status, headers={"Content-Type": r.content_type})
                     await resp.prepare(request)
                     async for data in r.content.iter_any():
-                        await resp.write(data)
+                        await write(resp, data)
                     return resp
+
+            try:
+                return await watched(request, relay())
+            except ClientGone:
+                logger.info("router: the client of a passed-on request went away; stopped")
+                return resp
             except (UpstreamError, aiohttp.ClientError, OSError) as e:
                 router.verifiers.fault(server)
                 logger.warning(
@@ -295,16 +252,44 @@ def make_app(router: Router):
                 )
                 if resp is not None:  # part of the answer is out: it cannot start again elsewhere
                     return resp
-        return web.json_response(error_body("every verifier failed", 502, "BadGateway"), status=502)
+        return failed("every verifier failed", 502, "BadGateway")
 
     app = web.Application(client_max_size=router.cfg.max_body_bytes)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_post(COMPLETIONS, complete)
+    app.router.add_post(CHAT, complete)
     app.on_startup.append(lambda _: router.start())
     app.on_cleanup.append(lambda _: router.close())
     return app
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def watched(request, aw, every_s: float = 0.25):
+    """Await `aw`; once the client's connection is closed, cancel it and raise ClientGone (aiohttp does not
+    cancel a handler whose client went away, so a long decode would run on for nobody)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ClientGone
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+    finally:
+        task.cancel()  # a no-op once it returned
+
+
+async def write(resp, data: bytes) -> None:
+    """Write to the client; ClientGone when it went away."""
+    try:
+        await resp.write(data)
+    except ConnectionResetError:
+        raise ClientGone from None
 
 
 async def warm_up(router: Router, every_s: float = 2.0) -> None:
@@ -317,10 +302,6 @@ async def warm_up(router: Router, every_s: float = 2.0) -> None:
         except (UpstreamError, ValueError, OSError) as e:
             logger.info("router: verifiers not ready yet (%s)", e)
             await asyncio.sleep(every_s)
-
-
-def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def main(args) -> int:

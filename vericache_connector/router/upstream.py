@@ -27,10 +27,33 @@ from ..model.sampling import top_token
 MAX_ANSWER_BYTES = 64 << 20
 
 
+CLIENT_STATUSES = (400, 413, 422)  # vLLM's answers to a request it refuses: the request's fault, not the server's
+
+
 class UpstreamError(Exception):
     def __init__(self, server: "Server", cause: str):
         super().__init__(f"{server.role} {server.url}: {cause}")
         self.server, self.cause = server, cause
+
+
+class ClientError(UpstreamError):
+    """The server refused the request itself (HTTP 400/413/422, or an error event with that code inside a
+    streamed answer): the server is fine, and the client gets the server's answer as it came."""
+
+    def __init__(self, server: "Server", status: int, answer: dict):
+        self.status, self.answer = status, answer
+        message = answer.get("error", {}).get("message") if isinstance(answer.get("error"), dict) else None
+        super().__init__(server, f"refused the request (HTTP {status}: {str(message or answer)[:300]})")
+
+
+def refusal(server: "Server", status: int, data: bytes) -> ClientError:
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        answer = {"error": {"message": data[:300].decode("utf-8", "replace"), "code": status}}
+    return ClientError(server, status, answer)
 
 
 @dataclass
@@ -41,6 +64,7 @@ class Server:
     root: str | None = None  # its model path (for the router's tokenizer)
     max_model_len: int | None = None
     down_until: float = 0.0
+    warm: bool = False  # a verifier that has answered a call with drafts (the first may take the open deadline)
 
 
 @dataclass
@@ -93,6 +117,8 @@ class Upstreams:
                         data += chunk
                         if len(data) > MAX_ANSWER_BYTES:
                             raise UpstreamError(server, f"answer over {MAX_ANSWER_BYTES} bytes")
+                    if r.status in CLIENT_STATUSES:
+                        raise refusal(server, r.status, bytes(data))
                     if r.status != 200:
                         raise UpstreamError(server, f"HTTP {r.status}: {bytes(data[:300]).decode('utf-8', 'replace')}")
         except TimeoutError:
@@ -164,6 +190,8 @@ class Upstreams:
             async with self.session.post(
                 server.url + "/v1/completions", data=json.dumps(body), headers=self.headers
             ) as r:
+                if r.status in CLIENT_STATUSES:
+                    raise refusal(server, r.status, await r.content.read(1 << 16))
                 if r.status != 200:
                     detail = (await r.content.read(300)).decode("utf-8", "replace")
                     raise UpstreamError(server, f"HTTP {r.status}: {detail}")
@@ -178,7 +206,13 @@ class Upstreams:
                     if line == b"data: [DONE]":
                         return
                     try:
-                        choice = json.loads(line[5:])["choices"][0]
+                        event = json.loads(line[5:])
+                        if isinstance(event, dict) and isinstance(event.get("error"), dict):  # vLLM's error event
+                            code = event["error"].get("code")
+                            if code in CLIENT_STATUSES:
+                                raise ClientError(server, code, event)
+                            raise UpstreamError(server, f"error event: {str(event['error'].get('message'))[:300]}")
+                        choice = event["choices"][0]
                         ids = [int(t) for t in choice.get("token_ids") or []]
                     except (ValueError, KeyError, IndexError, TypeError) as e:
                         raise UpstreamError(

@@ -138,6 +138,42 @@ def test_router_answers_the_verifiers_own_greedy_output(servers):
     assert status == 200 and v["best"] == ref[:9] and v["cached"] >= 1024, v
 
 
+HI = [{"role": "user", "content": "Write one sentence about the sea."}]
+AS_VLLM_READS_THEM = [  # (path, body): the router's answer must be the verifier server's own, status and message
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 0, "temperature": 0}),
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": -2, "temperature": 0}),
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0, "top_p": 0}),
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0, "seed": "x"}),
+    ("/v1/completions", {"prompt": [1, 2, 99999999], "max_tokens": 5, "temperature": 0}),
+    ("/v1/completions", {"prompt": "a \ud800 b", "max_tokens": 5, "temperature": 0}),
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0, "stream_options": {}}),
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 100000, "temperature": 0}),  # past the context
+    ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "stream": "false"}),
+    ("/v1/chat/completions", {"messages": "hi", "max_tokens": 5, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 40, "temperature": 0, "ignore_eos": "false"}),
+]
+
+
+def test_every_field_is_read_as_vllm_reads_it(servers):
+    """Malformed or out-of-range fields get vLLM's own status and message; fields vLLM coerces ("false" for a
+    bool) give vLLM's own output; and a bad input takes no server out of rotation."""
+    verifier, drafter, _, _ = servers
+    with route([verifier.url], [drafter.url]) as url:
+        for path, body in AS_VLLM_READS_THEM:
+            status_v, own = post_json(verifier.url + path, {**body, "model": verifier.cfg.model})
+            status, got = post_json(url + path, body)
+            assert status == status_v, (body, got, own)
+            if status != 200:
+                assert got["error"]["message"] == own["error"]["message"], (body, got, own)
+                continue
+            mine, theirs = got["choices"][0], own["choices"][0]
+            assert mine.get("text") == theirs.get("text") and mine.get("message") == theirs.get("message"), body
+        # no server was marked down by any of it: a greedy request is still drafted and verified
+        body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        ids, served = streamed(url, "/v1/completions", body)
+        assert served["path"] == "verified" and len(ids) > 0, served
+
+
 @pytest.mark.parametrize("fault", ["drafter down", "drafter cut off", "verifier down", "verifier slow"])
 def test_faults_still_answer_the_verifiers_own_greedy_output(servers, fault):
     verifier, drafter, ids, ref = servers

@@ -92,9 +92,20 @@ async def verify(request):
     except ValueError as e:
         return JSONResponse({"error": " ".join(str(e).split())[:500]}, status_code=400)
     except Exception as e:  # noqa: BLE001 - the router treats it as a verifier fault
+        if refused_input(e):  # vLLM refuses the input itself (a token id out of vocabulary, ...): the caller's
+            return JSONResponse({"error": " ".join(str(e).split())[:500]}, status_code=400)
         logger.exception("VeriCache verify failed")
         return JSONResponse({"error": f"{type(e).__name__}: {e}"[:500]}, status_code=500)
     return JSONResponse({"best": best, "cached": cached, "seconds": round(time.perf_counter() - t0, 4)})
+
+
+def refused_input(e: BaseException) -> bool:
+    """vLLM's own verdict that a request is bad (VLLMClientError: validation, not found, ...), not a fault."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return False
+    return isinstance(e, VLLMClientError)
 
 
 async def greedy_tokens(engine, prompt: list[int], drafts: list[int], use_cache: bool):
