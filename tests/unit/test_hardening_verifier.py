@@ -200,22 +200,56 @@ def test_unauthenticated_connections_cannot_make_it_buffer(served):
         s.close()
 
 
-def test_open_connections_are_capped(served):
-    srv = served(max_connections=10, handshake_s=30.0)
+def test_connections_without_a_handshake_are_capped_per_address(served):
+    srv = served(max_pending_per_address=8, handshake_s=30.0)
     conns = [stalled(srv.server.port, 100, 50) for _ in range(30)]
     t0 = time.monotonic()
     cut = sum(closed(s, max(0.05, 3 - (time.monotonic() - t0))) for s in conns)
-    assert cut >= 20 and srv.server.gate.counts["cut"] >= 20  # long before the 30 s handshake deadline
+    assert cut >= 20 and srv.server.gate.counts["evicted"] >= 20  # long before the 30 s handshake deadline
+    assert len(srv.server.gate.pending) <= 8
     for s in conns:
         s.close()
-    deadline = time.monotonic() + 5
-    while srv.server.gate.open and time.monotonic() < deadline:
-        time.sleep(0.05)
     ok = client(srv.url)
     try:
         assert isinstance(ok.call(rpc.Stats()), rpc.Usage)
     finally:
         ok.close()
+
+
+def test_idle_sockets_without_a_key_do_not_keep_a_keyed_drafter_out(served):
+    """100 idle raw TCP connections against a cap of 50 (issue 42, item 5): they use the handshake budget,
+    never the drafters' share, and a drafter with the right key is served at once."""
+    srv = served(max_connections=50, handshake_s=30.0)
+    idle = [socket.create_connection(("127.0.0.1", srv.server.port), timeout=5) for _ in range(100)]
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        drafters = [client(srv.url, connect_timeout_s=2.0) for _ in range(3)]
+        try:
+            assert all(isinstance(d.call(rpc.Stats()), rpc.Usage) for d in drafters)
+        finally:
+            for d in drafters:
+                d.close()
+        assert time.monotonic() - t0 < 5 and srv.server.gate.counts["cut"] == 0
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_admitted_connections_are_capped(served):
+    srv = served(max_connections=2)
+    first = [client(srv.url) for _ in range(2)]
+    third = None
+    try:
+        assert all(isinstance(d.call(rpc.Stats()), rpc.Usage) for d in first)
+        third = client(srv.url, connect_timeout_s=0.5, timeout_s=2.0)  # connects now: over the cap
+        with pytest.raises(rpc.VerifierError):
+            third.call(rpc.Stats())
+        assert srv.server.gate.counts["cut"] >= 1 and len(srv.server.gate.open) == 2
+    finally:
+        for d in [*first, third]:
+            if d is not None:
+                d.close()
 
 
 def test_a_drafters_waiting_calls_are_capped_in_bytes(served, eng):
@@ -239,7 +273,7 @@ def test_a_drafters_waiting_calls_are_capped_in_bytes(served, eng):
 # ---- 7: bounded logs, escaped request ids --------------------------------------------------------------
 def test_refusals_are_logged_at_a_bounded_rate_and_request_ids_escaped(served, caplog, eng):
     window = 2.5
-    srv = served(log_window_s=window)
+    srv = served(log_window_s=window, max_pending_per_address=64)  # 30 strangers from one address, in turn
     t0 = time.monotonic()
     caplog.set_level(logging.WARNING, logger="vericache.verifier")
     strangers = [client(srv.url, STRANGER_SECRET, connect_timeout_s=0.3) for _ in range(30)]

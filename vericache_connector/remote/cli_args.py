@@ -34,8 +34,15 @@ def add_verifier_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="verify calls per forward")
     p.add_argument("--max-call-bytes", type=int, default=MAX_CALL_BYTES, help="larger calls are refused")
     p.add_argument(
-        "--max-connections", type=int, default=256, help="open connections (a new one beyond is closed at once)"
+        "--max-connections", type=int, default=256, help="admitted drafter connections (one beyond is closed at once)"
     )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=64,
+        help="connections that have not shown an admitted key yet; one more evicts the oldest of them",
+    )
+    p.add_argument("--max-pending-per-address", type=int, default=8, help="of those, from one source address")
 
 
 def add_drafter_args(p) -> None:

@@ -46,14 +46,17 @@ class ServerSettings:
     port: int = rpc.DEFAULT_PORT  # 0: any free port (printed)
     max_call_bytes: int = rpc.MAX_CALL_BYTES
     idle_poll_s: float = 0.05
-    max_connections: int = 256  # open TCP connections; one beyond is closed at once (auth.Gate)
+    max_connections: int = 256  # admitted drafter connections; one beyond is closed at once (auth.Gate)
+    max_pending: int = 64  # connections not admitted yet (no key shown); one more evicts the oldest (auth.Gate)
+    max_pending_per_address: int = 8  # of those, from one source address
     max_pending_bytes: int | None = None  # per peer: its calls not yet answered (None: 2 x max_call_bytes)
     handshake_s: float = 5.0  # a connection without a finished handshake by then is closed
     heartbeat_s: float = 2.0  # pings; a drafter silent for 3x this is dropped
     log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (auth.LogLimiter)
 
     def __post_init__(self):
-        for name in ("max_call_bytes", "max_connections", "handshake_s", "heartbeat_s", "log_window_s"):
+        for name in ("max_call_bytes", "max_connections", "max_pending", "max_pending_per_address", "handshake_s",
+                     "heartbeat_s", "log_window_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_pending_bytes is None:
@@ -90,7 +93,16 @@ class VerifierServer:
             self._sock.setsockopt(opt, value)
         auth.secure_server(self._sock, keys)
         self.limit = LogLimiter(logger, st.log_window_s)
-        self.gate = Gate(self._ctx, self._sock, keys, st.max_connections, self.limit)  # ZAP before bind
+        self.gate = Gate(  # the ZAP handler before the socket binds
+            self._ctx,
+            self._sock,
+            keys,
+            st.max_connections,
+            self.limit,
+            max_pending=st.max_pending,
+            max_pending_per_address=st.max_pending_per_address,
+            handshake_s=st.handshake_s,
+        )
         if st.port == 0:
             self.port = self._sock.bind_to_random_port(f"tcp://{st.host}")
         else:
@@ -316,7 +328,14 @@ def main(args) -> int:
         ),
     )
     store = StoreClient(store_cfg, engine.model_name, engine.model.dtype, "vericache-verifier-store")
-    settings = ServerSettings(args.host, args.port, args.max_call_bytes, max_connections=args.max_connections)
+    settings = ServerSettings(
+        args.host,
+        args.port,
+        args.max_call_bytes,
+        max_connections=args.max_connections,
+        max_pending=args.max_pending,
+        max_pending_per_address=args.max_pending_per_address,
+    )
     server = VerifierServer(core, store, token, settings, keys)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop.set())
@@ -324,7 +343,8 @@ def main(args) -> int:
         f"vericache verifier: serving {engine.model_name} on tcp://{args.host}:{server.port} "
         f"(store {redact_url(store_cfg.url)}, KV budget {args.memory_gb:g} GiB, "
         f"{'CURVE, ' + str(len(keys.clients)) + ' drafter keys' if keys else 'NO CURVE: calls in clear'}, "
-        f"at most {settings.max_connections} connections; warmed up in {warm_s:.1f}s)",
+        f"at most {settings.max_connections} drafter connections + {settings.max_pending} without a key yet; "
+        f"warmed up in {warm_s:.1f}s)",
         flush=True,
     )
     try:
