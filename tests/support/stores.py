@@ -214,3 +214,26 @@ async def corrupt_full_chunk(
         data = bytearray(await st.backend.get(m.payload_key))
         data[len(data) // 2] ^= 0x40
         await st.backend.put(m.payload_key, bytes(data))
+
+
+async def break_manifest(
+    url: str, model: str | None, prefix: list[int], chunk: int, delete: bool = False, chunk_tokens: int = 256
+) -> None:
+    """Flip one byte of the full-copy manifest of one chunk of `prefix` (a lookup then counts it a miss, as
+    a corrupt manifest), or delete it (as an eviction would). model None: the in-process tests' model."""
+    import torch
+
+    from storage_backends import DualCopyStore
+
+    if model is None:
+        from vericache_connector.model.loader import model_identity, resolve_model_dir
+
+        model = model_identity(resolve_model_dir(None), torch.float32)
+    async with DualCopyStore(url, model, torch.float32, chunk_tokens) as st:
+        key = st.keys.chunks(prefix)[chunk].copy("full")
+        if delete:
+            await st.backend.delete(key)
+            return
+        data = bytearray(await st.backend.get(key))
+        data[len(data) // 2] ^= 0x40
+        await st.backend.put(key, bytes(data))

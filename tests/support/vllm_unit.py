@@ -29,6 +29,7 @@ def create_vllm_config(
     block_size: int = BLOCK_SIZE,
     max_model_len: int = 4096,
     speculative: dict | None = None,
+    prefix_caching: bool = False,
 ) -> VllmConfig:
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, max_model_len=max_model_len)
     sched = SchedulerConfig(
@@ -38,7 +39,7 @@ def create_vllm_config(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=False)
+    cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching)
     transfer = KVTransferConfig(
         kv_connector="VeriCacheConnector",
         kv_connector_module_path="vericache_connector.vllm_connector",
@@ -82,14 +83,14 @@ def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 200) -> Schedule
     )
 
 
-def create_request(prompt_ids: list[int], max_tokens: int = 4, block_size: int = BLOCK_SIZE) -> Request:
+def create_request(prompt_ids: list[int], max_tokens: int = 4, block_size: int = BLOCK_SIZE, **sampling) -> Request:
     global _hash_ready
     from vllm.utils.hashing import sha256
 
     if not _hash_ready:
         init_none_hash(sha256)
         _hash_ready = True
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
     params.update_from_generation_config({}, 0)
     return Request(
         request_id=f"req-{next(_ids)}",

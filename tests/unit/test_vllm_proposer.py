@@ -23,7 +23,7 @@ from vericache_connector.engine import DecodeConfig  # noqa: E402
 from vericache_connector.engine.planner import AcceptanceEstimate  # noqa: E402
 from vericache_connector.integration.vllm import proposer as P  # noqa: E402
 from vericache_connector.integration.vllm.draft_model import DraftModel  # noqa: E402
-from vericache_connector.integration.vllm.handoff import Deferred, DraftHandoff  # noqa: E402
+from vericache_connector.integration.vllm.handoff import Deferred, DraftHandoff, row_key  # noqa: E402
 from vericache_connector.integration.vllm.pacing import DraftPacer  # noqa: E402
 
 from tiny_model import tiny_engine  # noqa: E402
@@ -149,6 +149,23 @@ def test_predrafts_are_proposed_as_made_up_to_k_per_step(setup):
         if n < len(drafts):
             break
     assert p.stats["predrafts_used"] >= 1 and accepted[0] >= 2, accepted
+
+
+def test_a_seeded_sampled_request_is_offered_no_drafts(setup):
+    """vLLM's rejection sampler draws as many random values as it is offered drafts, and pre-drafts depend
+    on timing: a request sampled with a seed (the scheduler side marks it on the handoff) gets no drafts, so
+    its output is the same every time; a row not marked gets the same pre-drafts."""
+    eng, prompt, ref, compressed = setup
+    proposals = []
+    for seeded in (True, False):
+        p = predrafted(eng, compressed, prompt, 20)
+        p.handoff = DraftHandoff()
+        p.handoff.attach(p)
+        if seeded:
+            p.handoff.mark_seeded([row_key(prompt)])
+        (drafts,) = p.propose(*step_args([prompt + ref[:1]]))
+        proposals.append((drafts, p.stats["seeded"]))
+    assert proposals[0] == ([], 1) and len(proposals[1][0]) > 0 and proposals[1][1] == 0
 
 
 def test_a_predraft_yields_to_the_served_models_steps(setup):

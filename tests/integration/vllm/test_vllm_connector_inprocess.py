@@ -23,7 +23,7 @@ from vericache_connector.integration.vllm.handoff import Deferred  # noqa: E402
 from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
 
-from stores import closed_port, corrupt_full_chunk, drop_memory_store, random_kv  # noqa: E402
+from stores import break_manifest, closed_port, corrupt_full_chunk, drop_memory_store, random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
 
 PROMPT = list(range(1000, 1600))  # 600 tokens: 2 whole chunks of 256 stored (512), 88 computed
@@ -118,6 +118,80 @@ def test_failed_load_is_recomputed_then_rewritten(model_dir, store_url, first_ba
     assert so.num_scheduled_tokens[req.request_id] == len(PROMPT) - first_bad * BLOCK_SIZE
     saves = so.kv_connector_metadata.saves
     assert len(saves) == 1 and saves[0].overwrite and saves[0].prefix == PROMPT[:STORED]
+
+
+@pytest.mark.parametrize("broken", ["manifest", "evicted"])
+def test_a_prefix_saved_here_then_broken_in_the_store_is_rewritten(model_dir, store_url, broken):
+    """A corrupt full manifest (or an evicted chunk) of a prefix this server loaded lately: the next request
+    computes it and its save overwrites the copy (the recently-seen set used to stop that save for good)."""
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    first = create_request(PROMPT)
+    sched.add_request(first)
+    so = sched.schedule()
+    assert so.kv_connector_metadata.loads  # loaded: now seen here
+    sched.update_from_output(so, runner_output([], finished_recving={first.request_id}))
+    sched.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    asyncio.run(break_manifest(store_url, None, PROMPT[:STORED], chunk=1, delete=broken == "evicted"))
+    again = create_request(PROMPT)
+    sched.add_request(again)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens[again.request_id] == len(PROMPT) and not so.kv_connector_metadata.loads
+    (save,) = so.kv_connector_metadata.saves
+    assert save.prefix == PROMPT[:STORED] and save.overwrite
+
+
+def test_seeded_sampled_requests_are_told_to_the_worker_once(model_dir, store_url):
+    """The proposer sees token rows, not sampling parameters: the scheduler side names the seeded sampled
+    requests in the step's metadata (handoff.row_key of their prompt), once each; greedy and unseeded ones not."""
+    from vericache_connector.integration.vllm.handoff import row_key
+
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    reqs = [
+        create_request(PROMPT, temperature=0.7, seed=11),
+        create_request(PROMPT[::-1], temperature=0.0, seed=11),
+        create_request(PROMPT[:300], temperature=0.7),
+    ]
+    for r in reqs:
+        sched.add_request(r)
+    so = sched.schedule()
+    assert so.kv_connector_metadata.seeded == [row_key(PROMPT)]
+    sched.update_from_output(so, runner_output(reqs))
+    assert sched.schedule().kv_connector_metadata.seeded == []
+
+
+def test_requests_sharing_a_stored_prefix_load_it_once(model_dir, store_url):
+    """Two requests on one stored document arrive together (vLLM's prefix cache on): the first loads it, the
+    second waits (None: vLLM asks again) and then finds it in vLLM's own cache; the link carries it once."""
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(
+        create_vllm_config(model_dir, {"store": store_url, "compressor": "int8"}, prefix_caching=True)
+    )
+    first, second = create_request(PROMPT), create_request(PROMPT[:STORED] + list(range(7000, 7060)))
+    sched.add_request(first)
+    sched.add_request(second)
+    so = sched.schedule()
+    (load,) = so.kv_connector_metadata.loads
+    assert load.req_id == first.request_id and second.request_id not in so.num_scheduled_tokens
+    sched.update_from_output(so, runner_output([], finished_recving={first.request_id}))
+    so = sched.schedule()  # the load is in: the second request's prefix is a local hit now
+    assert not so.kv_connector_metadata.loads
+    assert so.num_scheduled_tokens[second.request_id] == 60 and so.num_scheduled_tokens[first.request_id] == 88
+
+
+def test_a_slow_link_is_not_loaded_from(model_dir, store_url):
+    """Measured: a link much slower than the prefill. A stored prefix is then computed, not loaded, and the
+    decision is logged with its inputs."""
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    planner = sched.connector.scheduler.planner
+    planner.link_report(20.0, 1.0)  # 20 tokens/s over the link
+    for n in (1, 8, 512, 1024, 2048):
+        planner.steps.add(n, 0.01 + n / 2000.0)  # 2,000 tokens/s of prefill
+    req = create_request(PROMPT)
+    sched.add_request(req)
+    so = sched.schedule()
+    assert not so.kv_connector_metadata.loads and so.num_scheduled_tokens[req.request_id] == len(PROMPT)
 
 
 def test_store_down_is_a_miss(model_dir):
@@ -378,6 +452,53 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
         assert decided == [False]  # e decided on the upper halves' first layers, f before fetching any
     finally:
         conn.shutdown()
+
+
+@pytest.mark.parametrize("proposer", [False, True])
+def test_concurrent_loads_use_the_link_fully(model_dir, store_url, proposer):
+    """Three hits loading at once over an emulated link (a token bucket on the store's reads) finish within
+    the link's time for all their bytes + 15%: with split16 and the proposer too (its compressed copy is the
+    upper halves: no byte crosses twice)."""
+    from vericache_connector.vllm_connector import VeriCacheConnector
+
+    rate, n = 40e6, 3
+    extra = {"store": store_url, "compressor": "split16" if proposer else "int8"}
+    plain = create_vllm_config(model_dir, extra)
+    spec = {"method": "custom_class", "model": PROPOSER_CLASS} if proposer else None
+    slow = create_vllm_config(model_dir, {**extra, "bandwidth_bytes_per_s": rate}, speculative=spec)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(4 * n + 4, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
+    }
+    writer, reader = (VeriCacheConnector(c, KVConnectorRole.WORKER, None) for c in (plain, slow))
+    try:
+        writer.register_kv_caches(caches)
+        reader.register_kv_caches(caches)
+        if proposer:
+            reader.draft_handoff.attach(RecordingDrafter())
+        views = [kv_views(t, HEADS, DIM) for t in caches.values()]
+        prompts = [[10_000 * (i + 1) + t for t in range(len(PROMPT))] for i in range(n)]
+        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=3)
+        for i, prompt in enumerate(prompts):
+            save_blocks(writer, views, kv, prompt[:STORED], [0, 1, 2, 3])
+            store, call = writer.worker.client.store, writer.worker.client.call
+            wait_for(lambda p=prompt: call(store.lookup(p[:STORED])) == STORED)
+        loads = [LoadSpec(f"r{i}", p[:STORED], [4 + 4 * i + b for b in range(4)], 0, p) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        reader.bind_connector_metadata(VeriCacheMetadata(loads=loads))
+        reader.start_load_kv(None)
+        done: set[str] = set()
+        wait_for(lambda: done.update(reader.get_finished(set())[1] or ()) or len(done) == n, timeout_s=60)
+        took = time.perf_counter() - t0
+        assert not reader.get_block_ids_with_load_errors()
+        link_s = n * 2 * LAYERS * HEADS * STORED * DIM * 4 / rate
+        assert took <= 1.15 * link_s + 0.3, (took, link_s)
+        for i in range(n):
+            assert_same_kv(views, [0, 1, 2, 3], [4 + 4 * i + b for b in range(4)])
+        meta = reader.build_connector_worker_meta()  # what the scheduler side learns the link's rate from
+        assert meta.link_tokens == pytest.approx(n * STORED, rel=0.02) and 0 < meta.busy_s <= took + 0.1
+    finally:
+        writer.shutdown()
+        reader.shutdown()
 
 
 def test_split16_refuses_a_kv_cache_that_is_not_float32(model_dir, store_url):

@@ -48,8 +48,10 @@ KEYS = {  # extra-config key -> (RemoteCacheConfig field, type)
     "key_hashing": ("key_hashing", str),
     "cache_salt": ("cache_salt", str),
     "role": (None, str),  # not a store setting: connector_role() reads it
+    "load_policy": (None, str),  # not a store setting: load_policy() reads it
 }
 ROLES = ("serve", "drafter")
+LOAD_POLICIES = ("auto", "always")  # auto: load or recompute per request (load_plan.py); always: every hit loads
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class ConnectorSpec:
     role: str  # one of ROLES
     block_size: int  # vLLM's; cfg.chunk_size is a multiple of it
     runs_proposer: bool  # the speculative config names our proposer: the worker hands it compressed copies
+    prefix_caching: bool = False  # vLLM's prefix cache is on: a prefix brought in once serves its twins
+    load_policy: str = "auto"  # one of LOAD_POLICIES
 
     @property
     def drafter(self) -> bool:
@@ -86,7 +90,16 @@ def connector_spec(vllm_config) -> ConnectorSpec:
             f"vLLM does not hand to connectors; use a query-free one (kivi4, int8, fp8, "
             f"turboquant-k4v3, streamingllm-4x, knorm-4x)"
         )
-    return ConnectorSpec(cfg, compressor, model_name_of(vllm_config, cfg.model_name), role, block_size, proposer)
+    return ConnectorSpec(
+        cfg,
+        compressor,
+        model_name_of(vllm_config, cfg.model_name),
+        role,
+        block_size,
+        proposer,
+        bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
+        load_policy(vllm_config.kv_transfer_config.kv_connector_extra_config),
+    )
 
 
 def runs_our_proposer(vllm_config) -> bool:
@@ -174,6 +187,18 @@ def connector_role(extra: Mapping[str, Any] | str | None) -> str:
     if role not in ROLES:
         raise ValueError(f"kv_connector_extra_config['role'] must be one of {list(ROLES)}, got {role!r}")
     return role
+
+
+def load_policy(extra: Mapping[str, Any] | str | None) -> str:
+    """kv_connector_extra_config's "load_policy": "auto" (default) or "always"; ValueError naming anything else."""
+    policy = _extra_dict(extra).get("load_policy")
+    if policy is None:
+        return "auto"
+    if policy not in LOAD_POLICIES:
+        raise ValueError(
+            f"kv_connector_extra_config['load_policy'] must be one of {list(LOAD_POLICIES)}, got {policy!r}"
+        )
+    return policy
 
 
 def _extra_dict(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:

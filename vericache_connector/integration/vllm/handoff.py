@@ -8,6 +8,11 @@ and attaches itself. The connector posts what it has: on a hit the compressed co
 the full copy (with a pre-draft request, so drafting runs while the full copy loads); on a miss the
 copy it has just compressed and saved. Posts are kept (bounded, oldest dropped) until a proposer
 matches them to a running request, so an early post is not lost before the proposer attaches.
+
+It also carries which requests are sampled with a seed (the scheduler side sees their sampling parameters,
+the proposer sees only token rows): vLLM's rejection sampler draws a number of random values that depends
+on how many drafts it is offered, so the proposer offers such a request none at all and its output is the
+same every time, as without drafts (pre-drafts and paced drafts depend on timing).
 """
 
 from __future__ import annotations
@@ -19,6 +24,14 @@ from typing import Callable, Protocol
 from ...compressors import CompressedKV
 
 HANDOFF_CAPACITY = 32  # compressed prefixes kept for the proposer
+SEEDED_CAPACITY = 4096  # seeded sampled requests remembered (oldest dropped)
+ROW_KEY_TOKENS = 64  # a request's row is known by its first tokens (the prompt's, or all of a shorter one)
+
+
+def row_key(prompt: list[int]) -> tuple[int, int]:
+    """(n, hash of the first n tokens) of a request's prompt, n = min(len(prompt), ROW_KEY_TOKENS)."""
+    n = min(len(prompt), ROW_KEY_TOKENS)
+    return n, hash(tuple(prompt[:n]))
 
 
 class Drafter(Protocol):
@@ -56,6 +69,7 @@ class DraftHandoff:
         self.capacity, self.lock = capacity, threading.Lock()
         self.prefixes: OrderedDict[tuple[int, tuple[int, ...]], CompressedKV | Deferred] = OrderedDict()
         self.drafter: Drafter | None = None
+        self._seeded: OrderedDict[tuple[int, int], None] = OrderedDict()
 
     def attach(self, drafter: Drafter) -> None:
         self.drafter = drafter
@@ -77,6 +91,21 @@ class DraftHandoff:
         drafter = self.drafter
         if predraft_prompt is not None and drafter is not None:
             drafter.predraft(predraft_prompt, len(prefix), materialize(compressed), loaded)
+
+    def mark_seeded(self, keys: list[tuple[int, int]]) -> None:
+        with self.lock:
+            for key in keys:
+                self._seeded[tuple(key)] = None
+                self._seeded.move_to_end(tuple(key))
+            while len(self._seeded) > SEEDED_CAPACITY:
+                self._seeded.popitem(last=False)
+
+    def seeded(self, row: list[int]) -> bool:
+        """Whether the request of this token row is sampled with a seed (by its prompt's row_key)."""
+        with self.lock:
+            if not self._seeded:
+                return False
+            return any((n, hash(tuple(row[:n]))) in self._seeded for n in {n for n, _ in self._seeded})
 
     def has(self, prefix: list[int]) -> bool:
         with self.lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -30,3 +30,17 @@ class VeriCacheMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     idle: bool = False  # vLLM runs no forward this step (every request it holds waits for its KV)
+    seeded: list[tuple[int, int]] = field(default_factory=list)  # new seeded sampled requests (handoff.row_key)
+    # prefixes computed here instead of loaded, whose compressed copy the proposer drafts on: fetch it only
+    drafts_only: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class VeriCacheWorkerMeta(KVConnectorWorkerMetadata):
+    """What the worker side tells the scheduler side each step: its loads' progress on the link."""
+
+    link_tokens: float = 0.0  # bytes received, in full-copy tokens
+    busy_s: float = 0.0  # seconds at least one load was in flight
+
+    def aggregate(self, other: "VeriCacheWorkerMeta") -> "VeriCacheWorkerMeta":
+        return VeriCacheWorkerMeta(self.link_tokens + other.link_tokens, max(self.busy_s, other.busy_s))

@@ -87,7 +87,15 @@ class CompressedKVProposer:
         self._thread: threading.Thread | None = None
         self.handoff: DraftHandoff | None = None
         self.stats = dict(
-            proposals=0, predrafts=0, predrafted=0, branches=0, predrafts_used=0, ngram=0, drafted=0, paced_off=0
+            proposals=0,
+            predrafts=0,
+            predrafted=0,
+            branches=0,
+            predrafts_used=0,
+            ngram=0,
+            drafted=0,
+            paced_off=0,
+            seeded=0,
         )
 
     def _find_handoff(self) -> DraftHandoff | None:
@@ -237,6 +245,9 @@ class CompressedKVProposer:
                 continue
             row_np = np.asarray(token_ids_cpu[i, :n])
             row = row_np.tolist()
+            if self.handoff is not None and self.handoff.seeded(row):  # sampled with a seed: none (handoff.py)
+                self.stats["seeded"] += 1
+                continue
             self._account_ngram(row)
             group = self._match(row, present)
             gram = self._ngram(row_np, room)

@@ -1,9 +1,13 @@
 """The connector's scheduler side (vLLM's engine-core process): which prompts have stored prefixes to
 load, and when a computed prompt's whole chunks are ready to save.
 
-A prompt whose leading chunks are in the store is loaded asynchronously: get_num_new_matched_tokens
-answers (tokens, True), vLLM allocates blocks and keeps the request waiting until the worker reports
-it finished. When a load fails (the worker reports its blocks), vLLM's recompute policy either asks us
+A prompt whose leading chunks are in the store is loaded asynchronously where loading pays (load_plan.py:
+the link's and the prefill's measured rates and what is queued on each; "load_policy": "always" loads every
+hit): get_num_new_matched_tokens answers (tokens, True), vLLM allocates blocks and keeps the request waiting
+until the worker reports it finished; otherwise (0, False) and vLLM computes the prefix (with our proposer,
+its compressed copy is still fetched to draft on). With vLLM's prefix cache on, a request whose stored
+prefix another request is loading or computing right now waits for it (None: vLLM asks again next step)
+and then finds it in vLLM's own cache: the link never carries the same prefix twice at once. When a load fails (the worker reports its blocks), vLLM's recompute policy either asks us
 again (nothing valid was loaded) or schedules it with fewer computed tokens than we loaded (a local
 prefix-cache hit before the loaded part stays valid): either way the prompt is computed here and its
 stored copy rewritten (overwrite). A store that is down or slow is a miss, never a failed request.
@@ -11,10 +15,14 @@ A request whose kv_transfer_params say {"vericache": "off"} neither loads nor sa
 (benchmarks/disaggregated.py's recompute baseline, on the same server as its full-copy fetch).
 A prefix saved or loaded lately is not saved again: with vLLM's prefix cache on, a repeated prompt (a
 verifier's calls for one request, beside the store) would otherwise be copied out and compressed each time.
+One that the store then no longer holds whole (a corrupt manifest or payload is a miss, or evicted) is
+computed and rewritten (overwrite) by the next request that asks for it.
 """
 
 from __future__ import annotations
 
+import collections
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -25,17 +33,34 @@ from storage_backends import stored_prefix_len
 
 from ...store.client import StoreClient
 from .config import ConnectorSpec
-from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
+from .handoff import row_key
+from .load_plan import LoadPlanner
+from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
 
 logger = init_logger("vllm.vericache")
-RECENT_PREFIXES = 4096  # prefixes saved or loaded lately, not saved again (a store that evicted one gets it
-# back once it falls out of this window or the server restarts)
+RECENT_PREFIXES = 4096  # prefixes saved or loaded lately, not saved again (one the store no longer holds is
+# rewritten by the next request that asks for it: _should_hold)
+SAVE_SETTLE_S = 60.0  # a save this old has ended (worker.SAVE_TIMEOUT_S and then some)
 
 
 def connector_off(request) -> bool:
     """kv_transfer_params {"vericache": "off"}: the connector leaves this request alone."""
     params = getattr(request, "kv_transfer_params", None)
     return isinstance(params, dict) and params.get("vericache") == "off"
+
+
+TWIN_WAIT_S = 60.0  # a request waits at most this long for another's load or prefill of its stored prefix
+
+
+def prefix_key(prefix: list[int]) -> tuple[int, int]:
+    return len(prefix), hash(tuple(prefix))
+
+
+@dataclass
+class _Owner:  # the request bringing a stored prefix into vLLM's blocks (loading or computing it)
+    rid: str
+    loading: bool
+    since: float
 
 
 @dataclass
@@ -49,23 +74,41 @@ class _Pending:  # a request whose prompt is not yet saved
 class VeriCacheConnectorScheduler:
     def __init__(self, spec: ConnectorSpec, client: StoreClient):
         self.cfg, self.block_size, self.compressor, self.client = spec.cfg, spec.block_size, spec.compressor, client
+        self.spec = spec
+        self.planner = LoadPlanner(spec.cfg.chunk_size)
+        self._owners: dict[tuple[int, int], _Owner] = {}  # stored prefix -> who brings it in now
+        self._prompt_len: dict[str, int] = {}
+        self._steps: collections.deque[tuple[float, int]] = collections.deque()  # built, not yet answered
+        self._drafts_only: list[LoadSpec] = []  # compressed copies to fetch for recomputed prefixes
+        self._planned: set[str] = set()  # requests whose decision was logged
         self._lookups: dict[str, int] = {}  # req_id -> stored tokens to load
         self._loads: dict[str, LoadSpec] = {}
         self._pending: dict[str, _Pending] = {}
         self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (loaded requests are not saved)
         self._repair: set[str] = set()  # their load failed: save (overwrite) after computing
-        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._recent: OrderedDict[tuple[int, int], tuple[str, float]] = OrderedDict()  # (loaded | saved, when)
+        self._seeded: list[tuple[int, int]] = []  # seeded sampled requests not told to the worker yet
+        self._told: set[str] = set()
 
-    def _seen(self, prefix: list[int], remember: bool = False) -> bool:
-        """Whether `prefix` was saved or loaded lately (remember=True: it is now)."""
+    def _seen(self, prefix: list[int], remember: str | None = None) -> bool:
+        """Whether `prefix` was saved or loaded lately (remember="saved" / "loaded": it is now)."""
         key = (len(prefix), hash(tuple(prefix)))
         seen = key in self._recent
         if seen or remember:
-            self._recent[key] = None
+            self._recent[key] = (remember, time.monotonic()) if remember else self._recent[key]
             self._recent.move_to_end(key)
             while len(self._recent) > RECENT_PREFIXES:
                 self._recent.popitem(last=False)
         return seen
+
+    def _should_hold(self, prefix: list[int]) -> bool:
+        """The store should hold `prefix` whole: loaded from it lately, or saved long enough ago that the
+        save has ended (a save runs after its request's forward, so a repeat of the prompt can come first)."""
+        got = self._recent.get((len(prefix), hash(tuple(prefix))))
+        return got is not None and (got[0] == "loaded" or time.monotonic() - got[1] > SAVE_SETTLE_S)
+
+    def _forget(self, prefix: list[int]) -> None:
+        self._recent.pop((len(prefix), hash(tuple(prefix))), None)
 
     def stored_len(self, prompt: list[int]) -> int:
         return stored_prefix_len(len(prompt), self.cfg.chunk_size)
@@ -86,14 +129,55 @@ class VeriCacheConnectorScheduler:
                 "store lookup failed for %s (%s: %s): computing the prompt", request.request_id, type(e).__name__, e
             )
             return 0, False
+        if found < stored and self._should_hold(prompt[:stored]):  # loaded or saved here, now (partly) gone:
+            logger.info(  # corrupt (a miss, logged by the store) or evicted: computed here, then rewritten
+                "stored prefix of %s holds %d of %d tokens now: computing it and rewriting the copy",
+                request.request_id,
+                found,
+                stored,
+            )
+            self._forget(prompt[:stored])
+            self._repair.add(request.request_id)
+            return 0, False
         if found <= num_computed_tokens:
             return 0, False
-        self._lookups[request.request_id] = found
-        return found - num_computed_tokens, True
+        return self._decide(request, prompt, num_computed_tokens, found)
+
+    def _decide(self, request, prompt: list[int], computed: int, found: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        key = prefix_key(prompt[:found])
+        owner = self._owners.get(key)
+        if owner is not None and owner.rid != rid and self.spec.prefix_caching:
+            if time.monotonic() - owner.since < TWIN_WAIT_S:
+                return None, False  # vLLM's cache gets it from the owner's load or prefill: ask again
+        self._prompt_len[rid] = len(prompt)
+        if self.spec.load_policy == "always":
+            load = found - computed
+        else:
+            plan = self.planner.plan(rid, computed, found, len(prompt))
+            load = plan.load
+            if rid not in self._planned:
+                self._planned.add(rid)
+                logger.info("VeriCache load-or-recompute: %s: %s", rid, plan.describe())
+        self._owners[key] = _Owner(rid, load > 0, time.monotonic())
+        if load == 0:  # computed here: with our proposer, its compressed copy still comes to draft on
+            self.planner.prefill_left(rid, len(prompt) - computed)
+            if self.spec.runs_proposer:
+                self._drafts_only.append(
+                    LoadSpec(rid, prompt[:found], [], computed, prompt, getattr(request, "max_tokens", None))
+                )
+            return 0, False
+        self.planner.prefill_left(rid, len(prompt) - computed - load)
+        self._lookups[rid] = computed + load
+        return load, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
         prompt = list(request.prompt_token_ids or [])
+        sp = getattr(request, "sampling_params", None)
+        if sp is not None and sp.temperature > 0 and sp.seed is not None and rid not in self._told:
+            self._told.add(rid)  # the proposer offers it no drafts (handoff.py): the same output every time
+            self._seeded.append(row_key(prompt))
         if connector_off(request):
             return
         if num_external_tokens > 0 and rid in self._lookups:
@@ -107,7 +191,7 @@ class VeriCacheConnectorScheduler:
                 getattr(request, "max_tokens", None),
             )
             self._loaded[rid] = found
-            self._seen(prompt[:found], remember=True)
+            self._seen(prompt[:found], remember="loaded")
             return
         stored = self.stored_len(prompt)
         if (
@@ -120,8 +204,17 @@ class VeriCacheConnectorScheduler:
             self._repair.discard(rid)
 
     def build_connector_meta(self, scheduler_output) -> VeriCacheMetadata:
-        meta = VeriCacheMetadata(loads=list(self._loads.values()), idle=not scheduler_output.total_num_scheduled_tokens)
+        meta = VeriCacheMetadata(
+            loads=list(self._loads.values()),
+            idle=not scheduler_output.total_num_scheduled_tokens,
+            seeded=self._seeded,
+            drafts_only=self._drafts_only,
+        )
+        for load in self._loads.values():
+            self.planner.load_started(load.req_id, len(load.prefix) - load.start)
+        self._steps.append((time.monotonic(), scheduler_output.total_num_scheduled_tokens))
         self._loads.clear()
+        self._seeded, self._drafts_only = [], []
         progress: dict[str, tuple[int, list[int] | None]] = {}
         for r in scheduler_output.scheduled_new_reqs:
             progress[r.req_id] = (r.num_computed_tokens, list(r.block_ids[0]))
@@ -135,6 +228,12 @@ class VeriCacheConnectorScheduler:
             if rid in cached.resumed_req_ids and rid in self._pending:  # preempted: all blocks are new
                 self._pending[rid].block_ids = []
             progress[rid] = (cached.num_computed_tokens[i], list(new[0]) if new else None)
+        for rid, (computed, _) in progress.items():  # prefill still to compute, for the next decisions
+            if rid in self._prompt_len:
+                done = computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+                self.planner.prefill_left(rid, self._prompt_len[rid] - done)
+                if done >= self._prompt_len[rid] - 1:
+                    self._release(rid)
         for rid, (computed, new_blocks) in progress.items():
             p = self._pending.get(rid)
             if p is None:
@@ -145,13 +244,37 @@ class VeriCacheConnectorScheduler:
                 meta.saves.append(
                     SaveSpec(rid, p.prompt[: p.stored], p.block_ids[: p.stored // self.block_size], p.overwrite)
                 )
-                self._seen(p.prompt[: p.stored], remember=True)
+                self._seen(p.prompt[: p.stored], remember="saved")
                 del self._pending[rid]
         return meta
+
+    def update_connector_output(self, output) -> None:
+        """A step's results: its time (the step-time fit), finished loads, the workers' link progress."""
+        now = time.monotonic()
+        if self._steps:
+            built, tokens = self._steps.popleft()
+            self.planner.steps.add(tokens, now - built)
+        for rid in output.finished_recving or ():
+            self.planner.load_finished(rid)
+            self._release(rid, loading_only=True)
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, VeriCacheWorkerMeta):
+            self.planner.link_report(meta.link_tokens, meta.busy_s)
+
+    def _release(self, rid: str, loading_only: bool = False) -> None:
+        """`rid` has brought its stored prefix in (loaded, or computed past it): waiting twins go on."""
+        for key in [k for k, o in self._owners.items() if o.rid == rid and (o.loading or not loading_only)]:
+            del self._owners[key]
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         for d in (self._pending, self._lookups):
             d.pop(request.request_id, None)
         self._loaded.pop(request.request_id, None)
         self._repair.discard(request.request_id)
+        self._told.discard(request.request_id)
+        rid = request.request_id
+        self._release(rid)
+        self.planner.forget(rid)
+        self._prompt_len.pop(rid, None)
+        self._planned.discard(rid)
         return False, None

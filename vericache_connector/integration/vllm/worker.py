@@ -31,7 +31,8 @@ from ...store.client import StoreClient
 from ...store.full_copy import stream_full_copy
 from .config import ConnectorSpec
 from .handoff import Deferred, DraftHandoff
-from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata
+from .load_plan import LinkMeter
+from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
 
 logger = init_logger("vllm.vericache")
@@ -63,9 +64,15 @@ class VeriCacheConnectorWorker:
         self._idle_step = False  # the step being run has no forward (its metadata says)
         self._failed_blocks: set[int] = set()
         self._compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
+        self.meter = LinkMeter()  # what the loads move, reported to the scheduler side each step
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
+        if self.split and first.dtype != torch.float32:
+            raise ValueError(
+                f"compressor {self.cfg.compressor!r} splits float32 KV in two halves; this server's KV cache is "
+                f"{first.dtype} (its upper half would be the whole KV): use int8, fp8 or kivi4"
+            )
         if first.device.type == "cpu":  # the key layout of vLLM's CPU attention depends on its ISA
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -75,20 +82,25 @@ class VeriCacheConnectorWorker:
                     f"VeriCacheConnector reads vLLM's CPU KV cache in the 'vec' layout; this "
                     f"machine uses {isa!r} (dtype {first.dtype}, block size {self.block_size})"
                 )
-        if self.split and first.dtype != torch.float32:
-            raise ValueError(
-                f"compressor {self.cfg.compressor!r} splits float32 KV in two halves; this server's KV cache is "
-                f"{first.dtype} (its upper half would be the whole KV): use int8, fp8 or kivi4"
-            )
         named = sorted((layer_index(n, i), t) for i, (n, t) in enumerate(kv_caches.items()))
         self._views = [kv_views(t, self.num_kv_heads, self.head_dim) for _, t in named]
+        self._token_bytes = 2 * len(self._views) * self.num_kv_heads * self.head_dim * first.element_size()
 
     def start_load_kv(self, meta: VeriCacheMetadata) -> None:
         with self._lock:
             self._loading += len(meta.loads)
             self._idle_step = meta.idle
+        if meta.seeded and self.handoff is not None:
+            self.handoff.mark_seeded(meta.seeded)
         for spec in meta.loads:
             self.client.submit(self._load(spec))
+        for spec in meta.drafts_only:  # computed here, not loaded: the proposer drafts on the compressed copy
+            if self.handoff is not None and not self.handoff.has(spec.prefix) and not self.handoff.seeded(spec.prompt):
+                self.client.submit(self._fetch_for_drafts(spec))
+
+    def worker_meta(self) -> VeriCacheWorkerMeta:
+        nbytes, busy = self.meter.take()
+        return VeriCacheWorkerMeta(nbytes / self._token_bytes if self._views else 0.0, busy)
 
     def wait_for_save(self, meta: VeriCacheMetadata) -> None:
         for spec in meta.saves:
@@ -152,12 +164,15 @@ class VeriCacheConnectorWorker:
         cut = False  # the proposer's copy is cut from a streamed full copy (none posted for this prefix yet)
 
         def put(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            if not split:  # streamed whole (a split load's halves are counted as they arrive)
+                self.meter.moved(k.nbytes + v.nbytes)
             kv, vv = self._views[layer]
             scatter_tokens(kv, ids, k[:, lo:n])
             scatter_tokens(vv, ids, v[:, lo:n])
             if cut:  # the full copy streamed: the proposer's copy is cut from it
                 streamed[layer] = (k, v)
 
+        self.meter.begin()
         try:
             split = split and await self._load_split(spec, put, loaded, when, t0)
             if not split:
@@ -187,6 +202,7 @@ class VeriCacheConnectorWorker:
             with self._lock:
                 self._failed_blocks.update(spec.block_ids[first:last])
         finally:
+            self.meter.end()
             loaded.set()
             with self._lock:
                 self._done_loading.add(spec.req_id)
@@ -233,6 +249,7 @@ class VeriCacheConnectorWorker:
             stream = self.client.store.stream_compressed(spec.prefix, [comp.spec, comp.spec + COMPLEMENT])
             async with contextlib.aclosing(stream) as layers:
                 while (x := await _next_layer(layers, self.cfg.timeout_s)) is not None:
+                    self.meter.moved(sum(t.nbytes for t in x.tensors.values()) if x.tensors else 0)
                     if x.copy == 0:  # the upper halves: whole before anything is drafted on them
                         hi_layers.append(x.tensors)
                         if x.index == 1:
@@ -302,10 +319,27 @@ class VeriCacheConnectorWorker:
         self._learn_transfer(when["compressed"] / n)
         return comp
 
+    async def _fetch_for_drafts(self, spec: LoadSpec) -> None:
+        """A prefix vLLM computes instead of loading: only its compressed copy comes, for the proposer to
+        draft on once the request runs (no pre-draft: the CPU is computing). A missing or broken copy only
+        costs the drafts."""
+        self.meter.begin()
+        try:
+            comp = await self._fetch_compressed(spec, {}, time.perf_counter())
+            if comp is not None:
+                self.meter.moved(comp.nbytes)
+                self.handoff.post(spec.prefix, comp)
+        except Exception as e:  # noqa: BLE001
+            logger.warning(
+                "compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id, type(e).__name__, e
+            )
+        finally:
+            self.meter.end()
+
     async def _post_compressed(self, spec: LoadSpec, loaded: threading.Event, when: dict, t0: float) -> None:
         """Fetch the compressed copy and hand it to the proposer, which pre-drafts until `loaded`. A missing
         or broken copy only costs the drafts: vLLM decodes without them."""
-        if self.handoff is None or self._split_drafter:
+        if self.handoff is None or self._split_drafter or self.handoff.seeded(spec.prompt):  # no drafts for it
             return
         n = len(spec.prefix)
         drafter = self.handoff.drafter

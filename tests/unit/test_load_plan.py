@@ -1,0 +1,126 @@
+"""Load or recompute (integration/vllm/load_plan.py), decided from the link's and the prefill's measured rates and
+what is queued on each; the worker's meter of what its loads move. Pure arithmetic: no vLLM, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from vericache_connector.integration.vllm.load_plan import LinkMeter, LoadPlanner
+
+CHUNK = 256
+DOC = 1792  # stored tokens of a 1,800-token prompt
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def planner(link_tok_s: float | None, prefill_tok_s: float | None, clock=None) -> LoadPlanner:
+    """A planner that has measured a link of `link_tok_s` and a prefill of `prefill_tok_s` (a + b n steps)."""
+    p = LoadPlanner(CHUNK, clock or Clock())
+    if link_tok_s is not None:
+        p.link_report(link_tok_s * 2.0, 2.0)
+    if prefill_tok_s is not None:
+        for n in (1, 4, 512, 1024, 2048, 8):
+            p.steps.add(n, 0.05 + n / prefill_tok_s)
+    return p
+
+
+def test_the_step_fit_recovers_the_prefill_rate():
+    p = planner(None, 350.0)
+    a, b = p.steps.fit()
+    assert a == pytest.approx(0.05, rel=1e-6) and 1 / b == pytest.approx(350.0, rel=1e-6)
+    assert LoadPlanner(CHUNK).steps.fit() is None  # nothing measured
+
+
+@pytest.mark.parametrize(
+    "link, prefill, want",
+    [
+        (280.0, 350.0, "recompute"),  # 0.1 Gbit/s against ~350 tok/s of prefill (issue 38's machine)
+        (1100.0, 350.0, "load"),  # 0.4 Gbit/s
+    ],
+)
+def test_a_slow_link_recomputes_and_a_fast_one_loads(link, prefill, want):
+    plan = planner(link, prefill).plan("r", 0, DOC, DOC + 20)
+    assert plan.decision == want and plan.load == (DOC if want == "load" else 0), plan.describe()
+    assert plan.t_load_s <= min(plan.t_all_s, plan.t_none_s) + 1e-9
+    assert "link 280 tok/s" in plan.describe() or "link 1100 tok/s" in plan.describe()
+
+
+def test_a_queue_of_earlier_loads_is_counted():
+    """A link that wins for one request loses once three earlier loads are queued on it."""
+    clock = Clock()
+    p = planner(1100.0, 350.0, clock)
+    assert p.plan("r0", 0, DOC, DOC + 20).decision == "load"
+    for i in range(3):
+        p.load_started(f"earlier{i}", DOC)
+    assert p.plan("r1", 0, DOC, DOC + 20).decision == "recompute"  # 4 x 1.6 s on the link > 5.1 s of prefill
+    clock.t += 3 * DOC / 1100.0  # the backlog drains at the link's rate
+    assert p.plan("r1", 0, DOC, DOC + 20).decision == "load"
+    for i in range(3):
+        p.load_finished(f"earlier{i}")
+    assert p.plan("r2", 0, DOC, DOC + 20).link_ahead == 0
+
+
+def test_a_leading_part_is_loaded_while_the_cpu_is_busy_with_others():
+    """The link is slower than the prefill, but the CPU has a document to compute first: what the link
+    brings in meanwhile costs this request nothing, the rest is computed."""
+    p = planner(280.0, 350.0)
+    p.prefill_left("a", DOC)
+    plan = p.plan("r", 0, DOC, DOC + 20)
+    assert plan.decision == "partial" and 0 < plan.load < DOC and plan.load % CHUNK == 0, plan.describe()
+    assert plan.t_load_s < plan.t_none_s and plan.t_load_s < plan.t_all_s
+    # the link delivers its part about when the CPU gets to this request (within a chunk)
+    assert abs(plan.load / 280.0 - DOC / 350.0) < CHUNK / 280.0
+
+
+def test_a_load_ends_on_a_chunk_boundary_past_what_vllm_has():
+    p = planner(1100.0, 350.0)
+    plan = p.plan("r", 128, DOC, DOC + 20)  # vLLM's prefix cache holds the first block
+    assert plan.load == DOC - 128 and (128 + plan.load) % CHUNK == 0
+
+
+def test_unmeasured_rates_split_concurrent_requests_between_link_and_cpu():
+    """Before anything is measured the two are taken as equally fast: the queues alternate them."""
+    p = LoadPlanner(CHUNK, Clock())
+    got = []
+    for i in range(4):
+        plan = p.plan(f"r{i}", 0, DOC, DOC + 20)
+        got.append(plan.decision)
+        if plan.load:
+            p.load_started(f"r{i}", plan.load)
+        else:
+            p.prefill_left(f"r{i}", DOC + 20)
+        assert plan.t_load_s is None and "unmeasured" in plan.describe()
+    assert got == ["load", "recompute", "load", "recompute"]
+
+
+def test_the_link_rate_comes_from_spells_of_loading():
+    p = LoadPlanner(CHUNK, Clock())
+    p.link_report(100.0, 0.2)  # too short a spell to say anything yet
+    assert p.rate is None
+    p.link_report(400.0, 0.8)
+    assert p.rate == pytest.approx(500.0)
+    p.link_report(1000.0, 1.0)
+    assert 500.0 < p.rate < 1000.0  # an EMA over spells
+
+
+def test_the_meter_counts_concurrent_loads_once():
+    clock = Clock()
+    m = LinkMeter(clock)
+    m.begin()
+    clock.t = 1.0
+    m.begin()  # a second load joins: the link was busy from 0 either way
+    m.moved(1000)
+    clock.t = 2.0
+    m.end()
+    clock.t = 3.0
+    assert m.take() == (1000, 3.0)  # still in flight: counted up to now
+    clock.t = 4.0
+    m.end()
+    clock.t = 10.0  # idle time is not busy time
+    assert m.take() == (0, 1.0)

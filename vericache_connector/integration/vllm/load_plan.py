@@ -1,0 +1,221 @@
+"""Load or recompute: how much of a stored prefix the connector loads, decided per request.
+
+A stored prefix can come over the store link (the worker copies it into vLLM's blocks) or be computed by
+vLLM's own prefill. Loading pays only where it is faster, and what is faster depends on what is already
+queued on each: a slow link loses to the CPU, a busy CPU loses to the link. The scheduler side measures
+both as the server runs and decides when vLLM asks it for a request's external tokens:
+
+    R      the load pipeline's rate, tokens/s: what the workers moved (bytes, in full-copy tokens) over the
+           seconds at least one load was in flight (LinkMeter, reported each step), an EMA over busy spells
+    a, b   a vLLM step that runs n tokens takes a + b n seconds: least squares over recent steps (a step's
+           time is from build_connector_meta to update_connector_output, its forward)
+    L      tokens still to load ahead on the link (a fluid backlog: each load adds its tokens, R drains it)
+    C      prefill tokens still to compute ahead of this request (the requests admitted before it)
+
+For a request whose next n prompt tokens are stored (and s more to compute after them), loading the first
+x of the n and computing the rest has its KV ready after
+
+    T(x) = max(link(x), C b) + (n - x + s) b          link(x) = (L + x) / R for x > 0, 0 for x = 0
+
+(the request computes only once its load is in, and only once the CPU has done what is ahead of it). While
+the CPU is busy anyway, a leading part comes over the link for free: the best x can be all of n, none, or
+a leading part. x* = argmin T over chunk multiples; within 2% of the minimum the largest x wins (a load
+leaves the CPU to other requests). Until both rates are measured they are taken as equal: the queues then
+split concurrent requests between the link and the CPU, and measure both.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+EMA = 0.3  # weight of a new busy spell's rate
+STEPS_KEPT = 64  # (tokens, seconds) of recent vLLM steps for the step-time fit
+TIE = 0.02  # within this fraction of the best time, the larger load wins
+SPELL_S = 0.5  # seconds of loading per rate sample
+
+
+@dataclass
+class Plan:
+    load: int  # tokens to load (a chunk multiple, 0..n)
+    n: int  # stored tokens beyond what vLLM has
+    t_load_s: float | None  # T(load), T(n) and T(0) as estimated (None: no estimate yet)
+    t_all_s: float | None
+    t_none_s: float | None
+    rate_tok_s: float | None  # R
+    prefill_tok_s: float | None  # 1 / b
+    link_ahead: int  # L, tokens
+    cpu_ahead: int  # C, tokens
+
+    @property
+    def decision(self) -> str:
+        return "load" if self.load == self.n else "recompute" if self.load == 0 else "partial"
+
+    def describe(self) -> str:
+        f = lambda x: "-" if x is None else f"{x:.2f}s"  # noqa: E731
+        r = lambda x: "unmeasured" if x is None else f"{x:.0f} tok/s"  # noqa: E731
+        return (
+            f"{self.decision} {self.load} of {self.n} stored tokens (est. {f(self.t_load_s)}; all {f(self.t_all_s)}, "
+            f"none {f(self.t_none_s)}); link {r(self.rate_tok_s)} with {self.link_ahead} tokens ahead, prefill "
+            f"{r(self.prefill_tok_s)} with {self.cpu_ahead} tokens ahead"
+        )
+
+
+class StepTimes:
+    """vLLM's step time as a + b n (n: tokens the step runs), fitted on recent steps."""
+
+    def __init__(self):
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=STEPS_KEPT)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.samples.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None until steps of different sizes were seen (a prefill and a decode step)."""
+        if len(self.samples) < 3:
+            return None
+        n = len(self.samples)
+        mx = sum(t for t, _ in self.samples) / n
+        my = sum(s for _, s in self.samples) / n
+        sxx = sum((t - mx) ** 2 for t, _ in self.samples)
+        if sxx < 1e-9 or max(t for t, _ in self.samples) < 4 * min(t for t, _ in self.samples):
+            return None  # no spread in step sizes: b is not identified
+        b = sum((t - mx) * (s - my) for t, s in self.samples) / sxx
+        if b <= 0:
+            return None
+        return max(0.0, my - b * mx), b
+
+
+class LoadPlanner:
+    """The scheduler side's view of the link and the CPU (module docstring). Thread-safe."""
+
+    def __init__(self, chunk: int, clock=time.monotonic):
+        self.chunk, self.clock = chunk, clock
+        self.steps = StepTimes()
+        self.rate: float | None = None  # R, tokens/s
+        self._lock = threading.Lock()
+        self._loads: dict[str, int] = {}  # in flight: request -> tokens
+        self._backlog, self._at = 0.0, clock()  # L as of `_at`
+        self._prefill: dict[str, int] = {}  # request -> prefill tokens it still has to compute
+        self._moved, self._busy = 0.0, 0.0  # link reports not yet turned into a rate sample
+
+    # ---- what the server reports ----
+    def link_report(self, tokens: float, busy_s: float) -> None:
+        """The workers moved `tokens` (full-copy tokens' worth of bytes) in `busy_s` seconds of loading (one
+        step's worth); a rate sample once SPELL_S of loading has added up."""
+        with self._lock:
+            self._moved += tokens
+            self._busy += busy_s
+            if self._busy >= SPELL_S and self._moved > 0:
+                r = self._moved / self._busy
+                self.rate = r if self.rate is None else (1 - EMA) * self.rate + EMA * r
+                self._moved, self._busy = 0.0, 0.0
+
+    def load_started(self, rid: str, tokens: int) -> None:
+        with self._lock:
+            self._drain()
+            self._loads[rid] = tokens
+            self._backlog += tokens
+
+    def load_finished(self, rid: str) -> None:
+        with self._lock:
+            self._drain()
+            self._loads.pop(rid, None)
+            if not self._loads:
+                self._backlog = 0.0
+
+    def forget(self, rid: str) -> None:
+        """`rid` finished (or was aborted): nothing of it stays queued."""
+        with self._lock:
+            self._prefill.pop(rid, None)
+            if self._loads.pop(rid, None) is not None and not self._loads:
+                self._backlog = 0.0
+
+    def prefill_left(self, rid: str, tokens: int) -> None:
+        """`rid` has `tokens` prompt tokens still to compute (0: done, or finished)."""
+        with self._lock:
+            if tokens > 0:
+                self._prefill[rid] = tokens
+            else:
+                self._prefill.pop(rid, None)
+
+    def _drain(self) -> None:
+        now = self.clock()
+        if self.rate is not None:
+            self._backlog = max(0.0, self._backlog - self.rate * (now - self._at))
+        self._at = now
+
+    # ---- the decision ----
+    def plan(self, rid: str, start: int, found: int, prompt_len: int) -> Plan:
+        """How many stored tokens past `start` (what vLLM has) `rid` loads: the prefix is stored up to `found`,
+        the prompt is `prompt_len` long (module docstring); a load ends on a chunk boundary."""
+        n, suffix = found - start, prompt_len - found
+        with self._lock:
+            self._drain()
+            ahead_link = int(self._backlog)
+            ahead_cpu = sum(t for r, t in self._prefill.items() if r != rid)
+            fit, rate = self.steps.fit(), self.rate
+        measured = fit is not None and rate is not None
+        a, b = fit if measured else (0.0, 1.0)  # not both measured: equal rates, the queues decide
+        r = rate if measured else 1.0
+
+        def t(x: int) -> float:
+            link = (ahead_link + x) / r if x > 0 else 0.0
+            return max(link, ahead_cpu * b) + (n - x + suffix) * b + a
+
+        options = [0] + [e - start for e in range(self.chunk, found + 1, self.chunk) if e > start]
+        times = {x: t(x) for x in options}
+        best = min(times.values())
+        load = max(x for x in options if times[x] <= best * (1 + TIE) + 1e-12)
+        est = (lambda x: times[x]) if measured else (lambda x: None)
+        return Plan(
+            load,
+            n,
+            est(load),
+            est(n),
+            est(0),
+            rate,
+            None if fit is None else 1.0 / fit[1],
+            ahead_link,
+            ahead_cpu,
+        )
+
+
+class LinkMeter:
+    """The worker's side: bytes its loads received and the seconds at least one load was in flight."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._active, self._since = 0, 0.0
+        self._bytes, self._busy = 0, 0.0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = self.clock()
+            self._active += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy += self.clock() - self._since
+
+    def moved(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes += nbytes
+
+    def take(self) -> tuple[int, float]:
+        """(bytes, busy seconds) since the last take; a spell still in progress is counted up to now."""
+        with self._lock:
+            now = self.clock()
+            busy = self._busy + (now - self._since if self._active else 0.0)
+            if self._active:
+                self._since = now
+            out = (self._bytes, busy)
+            self._bytes, self._busy = 0, 0.0
+            return out
