@@ -221,7 +221,8 @@ def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requ
     while not p.groups and time.monotonic() < deadline:
         time.sleep(0.01)
     assert cut == ["vericache-draft-cache"] and len(p.groups) == 1
-    p.pacer._plain.extend([0.1] * 5)
+    for _ in range(5):
+        p.pacer.record_step(0.1)
     p.pacer.drafted(0.001)  # drafts pay (cheap against vLLM's step)
     (drafts,) = p.propose(*step_args([prompt + ref[:3]]))
     assert drafts and p.stats["drafted"] >= len(drafts)
@@ -241,16 +242,55 @@ def test_the_pacer_drafts_only_where_it_pays():
     assert pacer.horizon(est, 16) == 0
     assert pacer.horizon(AcceptanceEstimate(0.99, accepted=1000), 16) == 0
     cheap = DraftPacer(k_max=16)
-    cheap._plain.extend([0.1] * 5)
+    for _ in range(5):
+        cheap.record_step(0.1)
     cheap.drafted(0.005)  # 20x cheaper drafts (a GPU, a long context): pays, several per step
     assert cheap.horizon(est, 16) >= 3
     assert cheap.horizon(AcceptanceEstimate(0.2, rejected=1000), 16) == 0  # rejected almost always: off
 
 
+def test_drafting_stops_at_a_batch_where_a_verify_step_costs_more_than_it_saves():
+    """Measured (stubbed): a vLLM step over 1 request 100 ms, over 8 requests 160 ms (batching amortizes the
+    weights); a draft step 20 ms; a verified draft adds 10 ms. Alone, a request's drafts pay; in a batch of 8
+    each draft delays 8 requests and must save 8 times its cost: none are drafted, and already-made drafts
+    (pre-drafts, n-gram matches) only where their acceptance is high enough."""
+    pacer = DraftPacer(k_max=16)
+    for _ in range(5):
+        pacer.record_step(0.100, rows=1)
+        pacer.record_step(0.160, rows=8)
+        pacer.record_step(0.100 + 4 * 0.010, rows=1, drafts=4)
+    pacer.drafted(0.020)
+    assert pacer.per_draft_s == pytest.approx(0.010)
+    est = AcceptanceEstimate(0.8)
+    assert pacer.horizon(est, 16, batch=1) >= 2 and pacer.horizon(est, 16, batch=8) == 0
+    assert pacer.free_horizon(est, 16, batch=1) >= 2 and pacer.free_horizon(est, 16, batch=8) == 0
+    assert pacer.free_horizon(AcceptanceEstimate(0.97, accepted=1000), 16, batch=8) >= 2
+    assert pacer.step_s(4) == pytest.approx(0.100 + 3 * 0.060 / 7)  # between the sizes measured
+
+
+def test_in_a_busy_batch_the_proposer_proposes_no_compressed_drafts_and_pre_drafts_still_run(setup):
+    eng, prompt, ref, compressed = setup
+    p = predrafted(eng, compressed, prompt, 4)  # the pre-draft ran while the KV loaded, whatever the batch
+    assert p.stats["predrafted"] >= 4
+    for _ in range(5):
+        p.pacer.record_step(0.100, rows=1)
+        p.pacer.record_step(0.160, rows=8)
+    p.pacer.drafted(0.020)
+    p.ngram = (64, 64)  # no n-gram matches in these rows
+    g = torch.Generator().manual_seed(3)
+    others = [torch.randint(0, 256, (PROMPT_LEN,), generator=g).tolist() for _ in range(7)]
+    row = prompt + [(ref[0] + 1) % 256]  # off the pre-draft's path: only fresh compressed drafts could come
+    out = p.propose(*step_args([row, *others]))
+    assert out[0] == [] and p.stats["paced_off"] == 1 and p.stats["drafted"] == 0
+    (alone,) = p.propose(*step_args([row + ref[1:2]]))
+    assert alone and p.stats["drafted"] >= len(alone)  # the same request alone: drafted
+
+
 def test_switched_off_the_proposer_proposes_nothing_and_ngram_matches_are_vllms_as_many_as_pay(setup):
     eng, prompt, ref, compressed = setup
     p = predrafted(eng, compressed, prompt, 1)
-    p.pacer._plain.extend([0.1] * 5)  # as on the CPU: a draft step costs what a vLLM step costs
+    for _ in range(5):  # as on the CPU: a draft step costs what a vLLM step costs
+        p.pacer.record_step(0.1)
     p.pacer._draft.clear()
     p.pacer.drafted(0.1)
     row = prompt + [(ref[0] + 1) % 256] + ref[1:20]  # off the pre-draft's path: fresh drafts would not pay
@@ -288,7 +328,8 @@ def test_a_rejected_draft_continues_on_the_branch_that_took_the_full_models_toke
 def test_the_compressed_copy_is_fetched_only_where_its_drafts_save_more_than_it_delays():
     pacer = DraftPacer(k_max=32)
     assert pacer.worth_predraft(None, 64) and pacer.worth_predraft(5.0, 64)  # nothing measured: fetch and learn
-    pacer._plain.extend([0.1] * 5)  # vLLM steps of 100 ms
+    for _ in range(5):  # vLLM steps of 100 ms
+        pacer.record_step(0.1)
     for n in (5, 5, 5):
         pacer.predraft_yield(n)  # vLLM accepted 5 pre-drafted tokens per request: 0.5 s saved
     assert pacer.worth_predraft(0.3, 64)  # the copy delays the full copy by 0.3 s: fetch
@@ -299,7 +340,8 @@ def test_the_compressed_copy_is_fetched_only_where_its_drafts_save_more_than_it_
 def test_a_split16_pre_draft_runs_only_where_the_rest_of_the_load_leaves_room_for_draft_steps():
     pacer = DraftPacer(k_max=32)
     assert pacer.worth_predraft_during(0.01)  # nothing measured: draft and learn
-    pacer._plain.extend([0.1] * 5)  # vLLM steps of 100 ms, no draft step measured yet
+    for _ in range(5):  # vLLM steps of 100 ms, no draft step measured yet
+        pacer.record_step(0.1)
     assert pacer.worth_predraft_during(0.5) and not pacer.worth_predraft_during(0.2)
     pacer.drafted(0.05)  # draft steps of 50 ms: room for WINDOW_STEPS of them in 0.2 s
     assert pacer.worth_predraft_during(0.2) and not pacer.worth_predraft_during(0.1)

@@ -6,14 +6,18 @@ forward is wrapped to enter the gate as "target"; every draft step enters as "dr
 first: a draft step starts only when no target forward runs or waits, so a pre-draft on its own thread
 delays a concurrent request's step by at most the one draft step in progress.
 
-DraftPacer. A draft is worth its cost only if it shortens the request. Per vLLM step of t_v seconds a
-request emits 1 token without drafts; with x drafts of t_d seconds each (drafted in propose, before the
-step) and per-draft acceptance a it emits E(x) = (1 - a^(x+1)) / (1 - a) tokens in x t_d + t_v(x) seconds,
-where t_v(x) = t_v + c x (each draft adds a row to the verify forward). Draft x* drafts, the best x, only
-if E(x*) / (x* t_d + t_v(x*)) > (1 + MARGIN) / t_v: otherwise propose nothing. t_d, t_v and c are measured
-as the server runs (EMAs), a per request from what vLLM accepted of the previous proposal. Drafts that cost
-nothing more to make (pre-drafts made while the KV loaded, n-gram matches) still cost c each to verify:
-x* = argmax E(x) / (t_v + c x) of them are proposed (none when even one does not pay).
+DraftPacer. A draft is worth its cost only if it raises the server's output: drafting for one request
+lengthens the step every running request waits for. A vLLM step over B requests takes t_v(B) seconds and
+emits B tokens without drafts; with x drafts for one of them (drafted in propose, t_d seconds a draft step,
+before the step) at per-draft acceptance a it emits B - 1 + E(x), E(x) = (1 - a^(x+1)) / (1 - a), in
+t_v(B) + x t_d + c x seconds (each draft adds a row to the verify forward). Draft x* drafts, the best x,
+only if (B - 1 + E(x*)) / (t_v(B) + x* (t_d + c)) > (1 + MARGIN) B / t_v(B): otherwise none. One request
+alone (B = 1) this is its own rate; at a large batch a draft must save about B times its cost, so drafting
+stops where the batch already keeps the CPU busy. t_v(B) is measured per batch size (medians of steps
+without drafts, a line through them for sizes not seen), t_d and c as the server runs, a per request from
+what vLLM accepted of the previous proposal. Drafts that cost nothing more to make (pre-drafts made while
+the KV loaded, n-gram matches) still cost c each to verify: x* = argmax (B - 1 + E(x)) / (t_v(B) + c x)
+of them are proposed (none when even one does not pay).
 
 The pre-draft itself has a price on a slow store link: the compressed copy crosses the link too, so the full
 copy lands later by the compressed copy's transfer time T_c. worth_predraft fetches it only where the drafts
@@ -103,42 +107,58 @@ class DraftPacer:
         self.k_max = k_max
         self.per_draft_prior = PER_DRAFT_PRIOR.get(device, PER_DRAFT_PRIOR["cpu"])
         self._draft = collections.deque(maxlen=SAMPLES)  # one batched single-token draft step
-        self._plain = collections.deque(maxlen=SAMPLES)  # a vLLM step with no drafts to verify
+        self._plain: dict[int, collections.deque] = {}  # batch rows -> vLLM steps with no drafts to verify
         self._per_draft = collections.deque(maxlen=SAMPLES)  # what one verified draft adds to a step
-        self._last_end: float | None = None
-        self._last_drafts = 0
+        self._last: tuple[float, int, int] | None = None  # the previous propose: (its end, rows, drafts)
         self._yields = collections.deque(maxlen=SAMPLES)  # pre-drafted tokens accepted, per request
 
     @property
     def draft_s(self) -> float | None:
         return statistics.median(self._draft) if self._draft else None
 
-    @property
-    def step_s(self) -> float | None:
-        return statistics.median(self._plain) if self._plain else None
+    def step_s(self, rows: int = 1) -> float | None:
+        """t_v(rows): the median step measured at this batch size, else a line through the medians measured
+        at other sizes (the nearest one's where only one was), else None."""
+        seen = {b: statistics.median(d) for b, d in self._plain.items() if d}
+        if len(self._plain.get(rows) or ()) >= 3 or (rows in seen and len(seen) == 1):
+            return seen[rows]
+        if not seen:
+            return None
+        if len(seen) == 1:
+            ((b, t),) = seen.items()
+            return t
+        n = len(seen)
+        mb, mt = sum(seen) / n, sum(seen.values()) / n
+        sbb = sum((b - mb) ** 2 for b in seen)
+        slope = sum((b - mb) * (t - mt) for b, t in seen.items()) / sbb if sbb else 0.0
+        return max(min(seen.values()), mt + max(0.0, slope) * (rows - mb))
 
     @property
     def per_draft_s(self) -> float:
         """c: measured once a few steps verified drafts, else the prior share of a step."""
         if len(self._per_draft) >= 3:
             return max(0.0, statistics.median(self._per_draft))
-        return self.per_draft_prior * (self.step_s or 0.0)
+        return self.per_draft_prior * (self.step_s() or 0.0)
 
     # ---- measurements ----
-    def propose_started(self, now: float | None = None) -> None:
-        """vLLM's step ran between the end of the previous propose and now."""
-        now = time.perf_counter() if now is None else now
-        if self._last_end is not None:
-            dt, x, t_v = now - self._last_end, self._last_drafts, self.step_s
-            if x == 0:
-                self._plain.append(dt)
-            elif t_v is not None:
-                self._per_draft.append((dt - t_v) / x)
-        self._last_end = None
+    def record_step(self, seconds: float, rows: int = 1, drafts: int = 0) -> None:
+        """A vLLM step over `rows` requests verifying `drafts` drafts took `seconds`."""
+        if drafts == 0:
+            self._plain.setdefault(rows, collections.deque(maxlen=SAMPLES)).append(seconds)
+        elif (t_v := self.step_s(rows)) is not None:
+            self._per_draft.append((seconds - t_v) / drafts)
 
-    def propose_ended(self, drafts_proposed: int, now: float | None = None) -> None:
-        self._last_end = time.perf_counter() if now is None else now
-        self._last_drafts = drafts_proposed
+    def propose_started(self, now: float | None = None, prefill: bool = False) -> None:
+        """vLLM's step ran between the end of the previous propose and now (prefill: it also computed a new
+        request's prompt, an outlier left out)."""
+        now = time.perf_counter() if now is None else now
+        if self._last is not None and not prefill:
+            end, rows, drafts = self._last
+            self.record_step(now - end, rows, drafts)
+        self._last = None
+
+    def propose_ended(self, drafts_proposed: int, now: float | None = None, rows: int = 1) -> None:
+        self._last = (time.perf_counter() if now is None else now, rows, drafts_proposed)
 
     def drafted(self, seconds: float) -> None:
         self._draft.append(seconds)
@@ -148,48 +168,53 @@ class DraftPacer:
         self._yields.append(accepted)
 
     def describe(self) -> str:
-        f = [(n, v) for n, v in (("draft", self.draft_s), ("step", self.step_s)) if v is not None]
-        return ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in f) + f", +{self.per_draft_s * 1000:.1f} ms/draft"
+        f = [(n, v) for n, v in (("draft", self.draft_s), ("step", self.step_s())) if v is not None]
+        steps = ", ".join(f"{b}: {statistics.median(d) * 1000:.0f}" for b, d in sorted(self._plain.items()) if d)
+        return (
+            ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in f)
+            + f", +{self.per_draft_s * 1000:.1f} ms/draft, steps by batch (ms) {{{steps}}}"
+        )
 
     # ---- the decisions ----
-    def horizon(self, est: AcceptanceEstimate, room: int) -> int:
-        """Compressed-KV drafts worth drafting now for a request with acceptance estimate `est` (0: propose
-        nothing). Before vLLM's step is measured: none; before a draft step is: one (the measurement)."""
-        t_v, t_d = self.step_s, self.draft_s
+    def horizon(self, est: AcceptanceEstimate, room: int, batch: int = 1) -> int:
+        """Compressed-KV drafts worth drafting now for a request with acceptance estimate `est` in a batch of
+        `batch` running requests (0: propose nothing). Before vLLM's step is measured: none; before a draft
+        step is: one (the measurement), where one alone would not be off already."""
+        t_v, t_d = self.step_s(batch), self.draft_s
         if t_v is None or room < 1:
             return 0
         if t_d is None:
-            return 1
-        a, c = est.alpha, self.per_draft_s
-        best_x, best_rate = 0, 1.0 / t_v
-        for x in range(1, min(self.k_max, room) + 1):
-            rate = expected_tokens(a, x) / (x * t_d + t_v + c * x)
-            if rate > best_rate:
-                best_x, best_rate = x, rate
-        return best_x if best_x and best_rate > (1 + MARGIN) / t_v else 0
+            return 1 if batch == 1 else 0
+        return self._best(est.alpha, min(self.k_max, room), batch, t_v, t_d + self.per_draft_s)
 
-    def free_horizon(self, est: AcceptanceEstimate, room: int) -> int:
+    def free_horizon(self, est: AcceptanceEstimate, room: int, batch: int = 1) -> int:
         """How many of the drafts already made (pre-drafts, an n-gram match) to propose: each costs only its
         row in the verify forward."""
-        t_v, c = self.step_s, self.per_draft_s
+        t_v, c = self.step_s(batch), self.per_draft_s
         room = min(self.k_max, room)
         if t_v is None or c <= 0:
             return min(room, FREE_DEFAULT)
-        best_x, best_rate = 0, 1.0 / t_v
+        return self._best(est.alpha, room, batch, t_v, c)
+
+    @staticmethod
+    def _best(alpha: float, room: int, batch: int, t_v: float, per_draft: float) -> int:
+        """argmax over x of the batch's rate (batch - 1 + E(x)) / (t_v + x per_draft); 0 unless it beats
+        plain decoding (batch / t_v) by MARGIN."""
+        best_x, best_rate = 0, batch / t_v
         for x in range(1, room + 1):
-            rate = expected_tokens(est.alpha, x) / (t_v + c * x)
+            rate = (batch - 1 + expected_tokens(alpha, x)) / (t_v + per_draft * x)
             if rate > best_rate:
                 best_x, best_rate = x, rate
-        return best_x
+        return best_x if best_x and best_rate > (1 + MARGIN) * batch / t_v else 0
 
     def worth_predraft_during(self, seconds: float) -> bool:
         """Pre-draft while the rest of the KV arrives in about `seconds` (no link cost: split16)?"""
-        t = self.draft_s or self.step_s
+        t = self.draft_s or self.step_s()
         return t is None or seconds > WINDOW_STEPS * t
 
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
         """Fetch the compressed copy for pre-drafts? compressed_s: its expected transfer time (None: unknown)."""
-        t_v = self.step_s
+        t_v = self.step_s()
         if compressed_s is None or t_v is None:
             return True  # not measured yet: fetch, and learn what it costs and saves
         tokens = statistics.median(self._yields) if self._yields else YIELD_PRIOR

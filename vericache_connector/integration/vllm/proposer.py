@@ -79,6 +79,7 @@ class CompressedKVProposer:
         self.groups: OrderedDict[int, Group] = OrderedDict()
         self.ngram_est = new_estimate()  # acceptance of n-gram drafts, all requests
         self._ngram_last: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        self._last_rows: set[int] = set()  # the row keys of the previous propose (a new one: its prefill ran)
         self._next_id = 0
         self._lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
         self._building: set[tuple[int, int]] = set()  # (prefix length, hash) of draft caches being built
@@ -234,16 +235,21 @@ class CompressedKVProposer:
     # ---- called by vLLM after every step ----------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs):
-        self.pacer.propose_started()
+        rows = {}  # running requests: their token rows (what this step's batch is)
+        for i, sampled in enumerate(sampled_token_ids):
+            if len(sampled):
+                rows[i] = np.asarray(token_ids_cpu[i, : int(num_tokens_no_spec[i])])
+        keys = {_row_key(r.tolist()) for r in rows.values()}
+        self.pacer.propose_started(prefill=bool(keys - self._last_rows))  # a new request: its prefill ran too
+        self._last_rows, batch = keys, len(rows)
         self._find_handoff()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         present, to_draft = set(), []
-        for i, sampled in enumerate(sampled_token_ids):
-            n = int(num_tokens_no_spec[i])
+        for i, row_np in rows.items():
+            n = len(row_np)
             room = min(self.k, self.max_len - n - 1)
-            if not len(sampled) or room < 1:
+            if room < 1:
                 continue
-            row_np = np.asarray(token_ids_cpu[i, :n])
             row = row_np.tolist()
             if self.handoff is not None and self.handoff.seeded(row):  # sampled with a seed: none (handoff.py)
                 self.stats["seeded"] += 1
@@ -261,20 +267,20 @@ class CompressedKVProposer:
                     ahead = chain.tokens[m : m + room] if m == len(row) else []
                     group.prune(row, chain)
                 if ahead:
-                    ahead = ahead[: max(1, self.pacer.free_horizon(group.estimate, len(ahead)))]
-                    longer = len(gram) > len(ahead) and gram[: len(ahead)] == ahead
+                    ahead = ahead[: self.pacer.free_horizon(group.estimate, len(ahead), batch)]
+                    longer = bool(ahead) and len(gram) > len(ahead) and gram[: len(ahead)] == ahead
                     out[i] = gram if longer else ahead
                     group.proposed = (len(row), list(out[i]), "predraft")
                     self.stats["predrafts_used"] += 1
                     continue
             if gram:
-                out[i] = gram[: max(1, self.pacer.free_horizon(self.ngram_est, len(gram)))]
+                out[i] = gram[: self.pacer.free_horizon(self.ngram_est, len(gram), batch)]
                 self._ngram_last[_row_key(row)] = (len(row), list(out[i]))
                 self.stats["ngram"] += 1
                 continue
             if group is not None and self.draft is not None:
                 chain = group.chains[0]
-                x = min(self.pacer.horizon(group.estimate, room), group.capacity - (len(row) - group.prefix_len))
+                x = min(self.pacer.horizon(group.estimate, room, batch), group.capacity - (len(row) - group.prefix_len))
                 if x > 0:
                     to_draft.append((i, chain, row, x))
                 else:
@@ -285,7 +291,7 @@ class CompressedKVProposer:
         self.stats["proposals"] += 1
         if self.stats["proposals"] % LOG_EVERY == 0:
             logger.info("VeriCache proposer: %s, %s", self.stats, self.pacer.describe())
-        self.pacer.propose_ended(sum(len(o) for o in out))
+        self.pacer.propose_ended(sum(len(o) for o in out), rows=batch)
         return out
 
     def _account(self, group: Group, row: list[int]) -> None:
