@@ -197,3 +197,60 @@ def test_a_cold_verifiers_first_drafted_call_gets_the_opening_deadline():
     got = run(routed([("v", verifier)], [("d", Fake("drafter"))], BODY, verify_timeout_s=1.0))
     assert got["vericache"]["path"] == "verified", got["vericache"]
     assert got["choices"][0]["token_ids"] == greedy(PROMPT, 40)
+
+
+# ---- issue 39: many drafters, one verifier --------------------------------------------------------------------
+def test_requests_that_share_a_prefix_go_to_the_same_drafter():
+    drafters = [Fake("drafter") for _ in range(3)]
+    prompts = [[(i * 7 + j * 31) % VOCAB for i in range(300)] for j in range(4)]
+
+    async def go():
+        async with Stack([("v", Fake("verifier"))], [(f"d{i}", d) for i, d in enumerate(drafters)]) as st:
+            for _ in range(2):
+                for p in prompts:
+                    got = await st.post({**BODY, "prompt": p + [5, 6], "max_tokens": 8})
+                    assert got["vericache"]["path"] == "verified"
+
+    run(go())
+    served = {
+        tuple(p): {i for i, d in enumerate(drafters) for b in d.bodies if b["prompt"][:300] == p} for p in prompts
+    }
+    assert all(len(s) == 1 for s in served.values()), served  # each prefix: one drafter, every time
+    assert len(set().union(*served.values())) >= 2  # and the prefixes are spread over the drafters
+
+
+def test_a_dead_drafter_is_skipped_without_a_failed_request():
+    live = Fake("drafter")
+
+    async def go():
+        async with Stack([("v", Fake("verifier"))], [("dead", None), ("live", live)]) as st:
+            return [await st.post({**BODY, "prompt": [(i * 13 + j) % VOCAB for i in range(300)], "max_tokens": 8})
+                    for j in range(6)]  # fmt: skip
+
+    answers = run(go())
+    assert all(a["status"] == 200 for a in answers)
+    for j, a in enumerate(answers):
+        assert a["choices"][0]["token_ids"] == greedy([(i * 13 + j) % VOCAB for i in range(300)], 8)
+    paths = [a["vericache"]["path"] for a in answers]
+    assert paths.count("fallback") <= 1 and paths.count("verified") >= 5, paths  # found down once, then skipped
+
+
+def test_a_saturated_verifier_hands_new_requests_to_a_drafter_alone():
+    """A verifier whose verify calls take longer than verify_slow_s: the next request is served by a drafter
+    alone, which computes its prompt itself (the connector off) under a cache salt of its own (none of its
+    lossy blocks): the same exact output, no verify call."""
+    slow, drafter = Fake("verifier", delay_s=1.2), Fake("drafter")
+
+    async def go():
+        async with Stack([("v", slow)], [("d", drafter)], verify_slow_s=1.0, k_min=4, k_max=8) as st:
+            first = await st.post({**BODY, "max_tokens": 8})
+            calls = len(slow.calls)
+            second = await st.post({**BODY, "max_tokens": 8})
+            return first, calls, second
+
+    first, calls, second = run(go())
+    assert first["vericache"]["path"] == "verified" and second["vericache"]["path"] == "alone"
+    assert len(slow.calls) == calls  # the second request made no verify call
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"] == greedy(PROMPT, 8)
+    alone = drafter.bodies[-1]
+    assert alone["kv_transfer_params"] == {"vericache": "off"} and alone["cache_salt"] == "vericache-exact"

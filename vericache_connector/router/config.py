@@ -64,6 +64,9 @@ class RouterConfig:
     draft_stall_s: float = 10.0  # a drafter stream silent this long is a fault
     plain_stall_s: float = 120.0  # a verifier's plain decoding silent this long: try the next verifier
     down_s: float = 10.0  # a server that faulted is skipped this long (unless every server is down)
+    max_verify_inflight: int = 32  # a verifier with this many verify calls out is saturated ...
+    verify_slow_s: float = 2.0  # ... or one whose verify calls took this long lately: new requests then go
+    # to a drafter alone (it computes the prompt and decodes by itself, exact) until the verifier catches up
     max_body_bytes: int = 4 << 20
 
     def __post_init__(self):
@@ -73,7 +76,7 @@ class RouterConfig:
         self.drafters = [check_server_url(u, "drafter") for u in self.drafters]
         if self.verify_api not in VERIFY_APIS:
             raise ValueError(f"verify_api must be one of {list(VERIFY_APIS)}, got {self.verify_api!r}")
-        for name in ("draft_k", "k_min", "k_max", "max_body_bytes"):
+        for name in ("draft_k", "k_min", "k_max", "max_body_bytes", "max_verify_inflight"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -114,6 +117,18 @@ def add_router_args(p) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default, help=help_)
     for name in ("verify_timeout_s", "open_timeout_s", "draft_first_s", "draft_stall_s", "plain_stall_s", "down_s"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)
+    p.add_argument(
+        "--max-verify-inflight",
+        type=int,
+        default=d["max_verify_inflight"].default,
+        help="verify calls out to one verifier at which it counts as saturated (new requests: a drafter alone)",
+    )
+    p.add_argument(
+        "--verify-slow-s",
+        type=float,
+        default=d["verify_slow_s"].default,
+        help="a verifier whose verify calls took this long lately is saturated too",
+    )
 
 
 def config_from_args(args) -> RouterConfig:
@@ -132,4 +147,6 @@ def config_from_args(args) -> RouterConfig:
         draft_stall_s=args.draft_stall_s,
         plain_stall_s=args.plain_stall_s,
         down_s=args.down_s,
+        max_verify_inflight=args.max_verify_inflight,
+        verify_slow_s=args.verify_slow_s,
     )

@@ -34,7 +34,7 @@ import torch
 
 from ..model.sampling import emit, verify
 from .config import RouterConfig
-from .upstream import ClientError, Pool, Server, UpstreamError, Upstreams
+from .upstream import ClientError, Pool, Server, UpstreamError, Upstreams, affinity_key
 
 logger = logging.getLogger("vericache.router")
 
@@ -53,7 +53,8 @@ class Wanted:
 
 @dataclass
 class Stats:
-    path: str = "verified"  # verified | plain (sampling, no drafter) | fallback (a fault: finished plainly)
+    path: str = "verified"  # verified | plain (sampling, no drafter) | alone (verifiers saturated: a drafter
+    # computed and decoded it by itself) | fallback (a fault: finished plainly on a verifier)
     cause: str | None = None
     verify_calls: int = 0
     accepted: list[int] = field(default_factory=list)
@@ -69,12 +70,24 @@ class Fault(Exception):
     pass
 
 
+# A request a drafter serves alone computes its prompt itself (the connector off) and reads none of the blocks
+# its lossy loads left in the drafter's prefix cache (a cache salt of its own): its output is exact.
+ALONE_PARAMS = {"kv_transfer_params": {"vericache": "off"}, "cache_salt": "vericache-exact"}
+
+
 class RoutedDecode:
     def __init__(
-        self, cfg: RouterConfig, up: Upstreams, drafters: Pool, verifiers: Pool, prompt: list[int], want: Wanted
+        self,
+        cfg: RouterConfig,
+        up: Upstreams,
+        drafters: Pool,
+        verifiers: Pool,
+        prompt: list[int],
+        want: Wanted,
+        alone: bool = False,
     ):
         self.cfg, self.up, self.drafters, self.verifiers = cfg, up, drafters, verifiers
-        self.prompt, self.want = list(prompt), want
+        self.prompt, self.want, self.alone = list(prompt), want, alone
         self.emitted: list[int] = []
         self.done = False
         self.stats = Stats()
@@ -87,6 +100,17 @@ class RoutedDecode:
             tried: set[str] = set()
             if self.want.temperature > 0 or not self.drafters.servers:
                 self.stats.path = "plain"
+            elif self.alone:  # the verifiers are saturated: a drafter computes and decodes it by itself
+                self.stats.path = "alone"
+                drafter = self.drafters.pick_for(affinity_key(self.prompt))
+                try:
+                    await self._plain(drafter, out)
+                except ClientError:
+                    raise
+                except UpstreamError as e:
+                    self.drafters.fault(drafter)
+                    self.stats.path, self.stats.cause = "fallback", str(e)
+                    logger.warning("router: a drafter alone failed (%s); finishing on a verifier", e)
             else:
                 verifier = self.verifiers.pick()
                 try:
@@ -131,7 +155,6 @@ class RoutedDecode:
 
     # ---- plain decoding on one verifier, from prompt + emitted --------------------------------------------
     async def _plain(self, server: Server, out: asyncio.Queue) -> None:
-        self.stats.verifier = server.url
         w = self.want
         body = {
             **w.passthrough,
@@ -140,6 +163,11 @@ class RoutedDecode:
             "temperature": w.temperature,
             "ignore_eos": w.ignore_eos,
         }
+        if server.role == "drafter":
+            self.stats.drafter = server.url
+            body |= ALONE_PARAMS
+        else:
+            self.stats.verifier = server.url
         if w.seed is not None:
             body["seed"] = w.seed
         cfg = self.cfg
@@ -151,7 +179,7 @@ class RoutedDecode:
 
     # ---- drafts verified --------------------------------------------------------------------------------
     async def _speculate(self, verifier: Server, out: asyncio.Queue) -> None:
-        drafter = self.drafters.pick()
+        drafter = self.drafters.pick_for(affinity_key(self.prompt))  # same prefix, same drafter: its cache
         self.stats.verifier, self.stats.drafter = verifier.url, drafter.url
         loop = _Loop(self, verifier, drafter)
         loop.send(0, self.cfg.open_timeout_s)  # the opening call: the verifier loads the prompt's full copy
@@ -178,13 +206,17 @@ class RoutedDecode:
 
     async def _verify(self, server: Server, emitted: list[int], drafts: list[int], timeout_s: float, events) -> None:
         t0 = time.perf_counter()
+        server.inflight += 1
         try:
             best = await self.up.verify(server, self.prompt + emitted, drafts, self.cfg.verify_api, timeout_s)
-            server.warm = server.warm or bool(drafts)
+            if drafts:
+                server.warm = True
+                server.verified(time.perf_counter() - t0)
             await events.put(("verdict", drafts, best))
         except UpstreamError as e:
             await events.put(("fault", e))
         finally:
+            server.inflight -= 1
             self.stats.verify_s += time.perf_counter() - t0
 
     async def _drafts(self, server: Server, seq: list[int], m: int, gen: int, events) -> None:

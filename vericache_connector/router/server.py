@@ -30,7 +30,7 @@ import uuid
 from .config import RouterConfig, config_from_args, router_token
 from .decode import RoutedDecode, Wanted
 from .openai_api import CHAT, COMPLETIONS, NEUTRAL, Parsed, Reply, Text, error_body, parse, sse
-from .upstream import ClientError, Pool, UpstreamError, Upstreams
+from .upstream import ClientError, Pool, UpstreamError, Upstreams, affinity_key
 
 logger = logging.getLogger("vericache.router")
 
@@ -70,6 +70,13 @@ class Router:
             self.name = self.name or server.model
             path = self.cfg.tokenizer or server.root
             self.tokenizer, self.eos, self.defaults = await asyncio.to_thread(load_tokenizer, path)
+
+    def saturated(self) -> bool:
+        """Every verifier that is up has a long queue (Server.saturated): verification beside the store is the
+        bottleneck, and a drafter alone serves the next request faster than waiting for it would."""
+        now, cfg = time.monotonic(), self.cfg
+        up = [s for s in self.verifiers.servers if s.down_until <= now] or self.verifiers.servers
+        return all(s.saturated(cfg.max_verify_inflight, cfg.verify_slow_s) for s in up)
 
     # ---- a request --------------------------------------------------------------------------------------
     def parse(self, path: str, body: dict) -> Parsed | None:
@@ -166,7 +173,9 @@ def make_app(router: Router):
         stops the loop (within one verify call) with one log line."""
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         reply, t0 = Reply(rid, int(time.time()), router.name, req), time.perf_counter()
-        decode = RoutedDecode(router.cfg, router.up, router.drafters, router.verifiers, ids, want)
+        decode = RoutedDecode(
+            router.cfg, router.up, router.drafters, router.verifiers, ids, want, alone=router.saturated()
+        )
         out: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(decode.run(out))
         text, resp = Text(router.tokenizer), None
@@ -222,7 +231,8 @@ def make_app(router: Router):
         import aiohttp
 
         tried: set[str] = set()
-        while (server := router.verifiers.pick(avoid=tried)) is not None:
+        key = affinity_key(body.get("prompt") if "prompt" in body else json.dumps(body.get("messages")))
+        while (server := router.verifiers.pick_for(key, avoid=tried)) is not None:  # same prefix, same server
             tried.add(server.url)
             resp = None
 

@@ -17,6 +17,7 @@ skipped for `down_s` (unless every server of its pool is down).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from ..model.sampling import top_token
 
 MAX_ANSWER_BYTES = 64 << 20
+AFFINITY_TOKENS = 256  # a prompt's first stored chunk: requests that share it go to the same drafter
 
 
 CLIENT_STATUSES = (400, 413, 422)  # vLLM's answers to a request it refuses: the request's fault, not the server's
@@ -65,6 +67,18 @@ class Server:
     max_model_len: int | None = None
     down_until: float = 0.0
     warm: bool = False  # a verifier that has answered a call with drafts (the first may take the open deadline)
+    inflight: int = 0  # verify calls out now (a verifier's queue, as the router sees it)
+    verify_s: float | None = None  # EMA of its verify calls' round trips (drafted calls only)
+    verify_at: float = 0.0  # when the last one came back
+
+    def verified(self, seconds: float) -> None:
+        self.verify_s = seconds if self.verify_s is None else 0.8 * self.verify_s + 0.2 * seconds
+        self.verify_at = time.monotonic()
+
+    def saturated(self, max_inflight: int, slow_s: float, memory_s: float = 10.0) -> bool:
+        """Its queue is long: max_inflight verify calls out, or calls that took slow_s lately."""
+        recent = self.verify_s is not None and time.monotonic() - self.verify_at < memory_s
+        return self.inflight >= max_inflight or (recent and self.verify_s >= slow_s)
 
 
 @dataclass
@@ -86,8 +100,26 @@ class Pool:
         ring = [s for s in ring if s.url not in avoid]
         return next((s for s in ring if s.down_until <= now), ring[0] if ring else None)
 
+    def pick_for(self, key: int, avoid: set[str] = frozenset()) -> Server | None:
+        """The server `key` (a prompt's leading tokens) goes to, by rendezvous hashing: the same prefix lands
+        on the same server, whose prefix cache then holds it, and a server that is down (or in `avoid`) hands
+        only its own prefixes to the next one by score."""
+        now = time.monotonic()
+        ring = sorted((s for s in self.servers if s.url not in avoid), key=lambda s: _score(key, s.url), reverse=True)
+        return next((s for s in ring if s.down_until <= now), ring[0] if ring else None)
+
     def fault(self, server: Server) -> None:
         server.down_until = time.monotonic() + self.down_s
+
+
+def _score(key: int, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
+
+
+def affinity_key(prompt) -> int:
+    """What requests sharing a prefix have in common: their first tokens (ids), or characters (text)."""
+    head = prompt[:AFFINITY_TOKENS] if isinstance(prompt, list) else str(prompt)[: 4 * AFFINITY_TOKENS]
+    return int.from_bytes(hashlib.blake2b(repr(head).encode(), digest_size=8).digest(), "big")
 
 
 class Upstreams:

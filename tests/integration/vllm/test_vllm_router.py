@@ -174,6 +174,27 @@ def test_every_field_is_read_as_vllm_reads_it(servers):
         assert served["path"] == "verified" and len(ids) > 0, served
 
 
+def test_concurrent_verify_calls_share_the_verifiers_forwards(servers):
+    """Verify calls that arrive together are batched by vLLM into the same steps (the route does not
+    serialize them): six calls cost fewer engine steps than six, each answer still the verifier's own."""
+    import concurrent.futures
+
+    verifier, _, ids, ref = servers
+
+    def steps() -> float:
+        with urllib.request.urlopen(verifier.url + "/metrics", timeout=30) as r:
+            lines = r.read().decode().splitlines()
+        return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:iteration_tokens_total_count"))
+
+    body = {"prompt": ids, "drafts": ref[:8]}
+    assert post_json(verifier.url + "/v1/vericache/verify", body)[0] == 200  # its prompt in vLLM's cache
+    before = steps()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda _: post_json(verifier.url + "/v1/vericache/verify", body), range(6)))
+    assert all(status == 200 and v["best"] == ref[:9] for status, v in got), got
+    assert steps() - before < 6
+
+
 @pytest.mark.parametrize("fault", ["drafter down", "drafter cut off", "verifier down", "verifier slow"])
 def test_faults_still_answer_the_verifiers_own_greedy_output(servers, fault):
     verifier, drafter, ids, ref = servers
