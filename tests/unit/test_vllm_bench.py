@@ -1,0 +1,214 @@
+"""benchmarks/vllm_bench.py without vLLM: its arguments, workload, plan, client command, log counts and summary
+on fakes (no server, no model)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import vllm_bench  # noqa: E402
+
+NEW = 4
+TEXTS = ["alpha beta", "gamma delta", "alpha beta", "epsilon zeta"]
+
+
+def fake_client(texts, ttft_ms=100.0, throughput=50.0, lens=None):
+    """What vllm.benchmarks.serve saves with --save-detailed (the keys the summary reads)."""
+    n = len(texts)
+    return {
+        "completed": n,
+        "failed": 0,
+        "output_throughput": throughput,
+        "mean_ttft_ms": ttft_ms,
+        "p90_ttft_ms": ttft_ms * 2,
+        "mean_tpot_ms": 20.0,
+        "mean_e2el_ms": ttft_ms + 20.0 * (NEW - 1),
+        "p90_e2el_ms": 2 * (ttft_ms + 20.0 * (NEW - 1)),
+        "generated_texts": list(texts),
+        "output_lens": lens or [NEW] * n,
+        "input_lens": [300, 310, 300, 320][:n],
+        "errors": [""] * n,
+    }
+
+
+def run_row(config, client, concurrency=1, gbits=None, hits=0):
+    logs = vllm_bench.log_stats(
+        "".join(f"hit r{i}: 256 tokens loaded (compressed copy after -, full after 0.50s)\n" for i in range(hits))
+    )
+    return {
+        "round": 0,
+        "concurrency": concurrency,
+        "gbits": gbits,
+        "configuration": config,
+        "client": client,
+        "client_json": f"/fake/{config}.json",
+        "logs": logs,
+        "load_avg": 1.5,
+    }
+
+
+def summarize(configs, runs, gbits=(0.4,), concurrency=(1,)):
+    args = vllm_bench.parse_args(
+        ["--configs", *configs, "--gbits", *map(str, gbits), "--concurrency", *map(str, concurrency), "--new", str(NEW)]
+    )
+    workload = {"requests": len(TEXTS), "documents": []}
+    return vllm_bench.summarize(args, runs, workload, {"before": (1.0, 1.0, 1.0), "after": (2.0, 2.0, 2.0)}, "cmd")
+
+
+def by_config(result):
+    return {s["configuration"]: s for s in result["summary"]}
+
+
+def test_summary_keys_ratios_and_identical():
+    runs = [
+        run_row("plain vLLM", fake_client(TEXTS, ttft_ms=400, throughput=40)),
+        run_row("connector", fake_client(TEXTS, ttft_ms=100, throughput=50), gbits=0.4, hits=2),
+        run_row("connector + proposer", fake_client(TEXTS, ttft_ms=200, throughput=60), gbits=0.4, hits=2),
+    ]
+    result = summarize(["plain vLLM", "connector", "connector + proposer"], runs)
+    got = by_config(result)
+    for s in result["summary"]:
+        for key in (
+            "configuration",
+            "concurrency",
+            "gbits",
+            "output_throughput",
+            "mean_ttft_s",
+            "p90_ttft_s",
+            "mean_tpot_ms",
+            "mean_e2e_s",
+            "identical",
+            "load_avg",
+        ):
+            assert key in s, key
+        assert s["gbits"] == 0.4 and s["concurrency"] == 1 and s["load_avg"] == 1.5
+    assert all(s["identical"] is True for s in result["summary"])
+    assert got["connector + proposer"]["x_best_alternative"] == pytest.approx(60 / 50)
+    assert got["connector"]["x_best_alternative"] == pytest.approx(1.0)
+    assert got["plain vLLM"]["x_best_alternative"] == pytest.approx(40 / 50)
+    assert got["connector + proposer"]["best_alternative"] == "connector"
+    assert got["connector"]["ttft_vs_plain"] == pytest.approx(0.25)
+    assert got["connector"]["mean_ttft_s"] == pytest.approx(0.1) and got["connector"]["p90_ttft_s"] == pytest.approx(
+        0.2
+    )
+    assert got["connector"]["hits"] == 2 and got["connector"]["mean_load_s"] == pytest.approx(0.5)
+    assert "client" not in result["runs"][0] and result["runs"][1]["client_json"] == "/fake/connector.json"
+    table = vllm_bench.table(result)
+    assert "EMULATED" in table and "1.20x the best alternative (connector)" in table
+    assert "connector TTFT / plain TTFT 0.25" in table
+
+
+def test_one_differing_text_makes_identical_false():
+    changed = list(TEXTS)
+    changed[2] = "alpha beta!"
+    runs = [
+        run_row("plain vLLM", fake_client(TEXTS)),
+        run_row("connector", fake_client(changed), gbits=0.4),
+    ]
+    got = by_config(summarize(["plain vLLM", "connector"], runs))
+    assert got["plain vLLM"]["identical"] is True
+    assert got["connector"]["identical"] is False
+    assert got["connector"]["differing_requests"] == [2]
+
+
+def test_short_or_reordered_answers_are_not_identical():
+    short = fake_client(TEXTS, lens=[NEW, NEW, NEW - 1, NEW])
+    reordered = fake_client(TEXTS)
+    reordered["input_lens"] = list(reversed(reordered["input_lens"]))
+    for other in (short, reordered, None):
+        runs = [run_row("plain vLLM", fake_client(TEXTS)), run_row("connector", other, gbits=0.4)]
+        assert by_config(summarize(["plain vLLM", "connector"], runs))["connector"]["identical"] is False
+
+
+def test_plain_rows_repeat_under_every_link_and_compare_with_the_first_concurrency():
+    runs = [
+        run_row("plain vLLM", fake_client(TEXTS), concurrency=1),
+        run_row("plain vLLM", fake_client(TEXTS[:3] + ["other"]), concurrency=2),
+        *[run_row("connector", fake_client(TEXTS), concurrency=c, gbits=g) for c in (1, 2) for g in (0.1, 0.4)],
+    ]
+    result = summarize(["plain vLLM", "connector"], runs, gbits=(0.1, 0.4), concurrency=(1, 2))
+    keys = [(s["gbits"], s["concurrency"], s["configuration"]) for s in result["summary"]]
+    assert len(keys) == len(set(keys)) == 8
+    plain = {
+        (s["gbits"], s["concurrency"]): s["identical"] for s in result["summary"] if s["configuration"] == "plain vLLM"
+    }
+    assert plain == {(0.1, 1): True, (0.4, 1): True, (0.1, 2): False, (0.4, 2): False}
+    # the connector at concurrency 2 against plain vLLM at concurrency 2 (which differs from the connector's)
+    conn = {
+        (s["gbits"], s["concurrency"]): s["identical"] for s in result["summary"] if s["configuration"] == "connector"
+    }
+    assert conn == {(0.1, 1): True, (0.4, 1): True, (0.1, 2): False, (0.4, 2): False}
+
+
+def test_plan_workload_and_client_command(tmp_path):
+    args = vllm_bench.parse_args(["--configs", "plain", "connector", "connector + proposer", "--concurrency", "4", "1"])
+    assert args.configs == ["plain vLLM", "connector", "connector + proposer"]
+    assert (args.documents, args.doc_tokens, args.questions, args.new, args.compressor) == (4, 1800, 4, 64, "split16")
+    assert (args.spec_k, args.ngram_k, args.gbits) == (32, 8, [0.1, 0.4])
+    runs = vllm_bench.plan_runs(args)
+    assert [r.name for r in runs[:3]] == [
+        "r0-c1-nolink-plain",
+        "r0-c1-0.1gbit-connector",
+        "r0-c1-0.1gbit-connector-proposer",
+    ]
+    assert len(runs) == 2 * (1 + 2 * 2)
+    with pytest.raises(SystemExit):
+        vllm_bench.parse_args(["--configs", "nope"])
+
+    # a fake tokenizer: one token per character; the store's chunk is 8 tokens
+    args = vllm_bench.parse_args(["--documents", "2", "--doc-tokens", "20", "--questions", "3"])
+    texts = {"short": "x" * 10, "a": "a" * 40, "b": "b" * 30, "c": "c" * 50}
+    work = vllm_bench.build_workload(args, texts, list, "".join, chunk=8)
+    assert [d["name"] for d in work.documents] == ["a", "b"] and work.documents[0]["stored"] == 16
+    assert len(work.requests) == 6 and {(r["document"], r["question"]) for r in work.requests} == {
+        (d, q) for d in "ab" for q in range(3)
+    }
+    assert all(r["prompt"].startswith(r["document"] * 20) for r in work.requests)
+    again = vllm_bench.build_workload(args, texts, list, "".join, chunk=8)
+    assert [r["prompt"] for r in again.requests] == [r["prompt"] for r in work.requests]  # fixed seed
+    assert any("question tokens" in w for w in work.warnings)  # 20 + a question's tail fill a third chunk
+    path = tmp_path / "d.jsonl"
+    vllm_bench.write_dataset(work, path, 7)
+    assert len(path.read_text().splitlines()) == 6
+
+    cmd = vllm_bench.client_command(args, "/m", "http://127.0.0.1:1", path, 6, 4, tmp_path / "r.json")
+    flags = " ".join(cmd[3:])
+    for want in (
+        "--dataset-name custom",
+        "--max-concurrency 4",
+        "--num-prompts 6",
+        "--temperature 0",
+        "--ignore-eos",
+        "--disable-shuffle",
+        "--skip-chat-template",
+        "--ready-check-timeout-sec 0",
+        "--save-detailed",
+        "--request-rate inf",
+        "--metric-percentiles 90",
+        f"--custom-output-len {args.new}",
+    ):
+        assert want in flags, want
+
+
+def test_log_stats_counts():
+    log = "\n".join(
+        [
+            "INFO hit req-1: 1792 tokens loaded (compressed copy after 0.80s, its lower halves after 1.60s, full after 1.70s)",
+            "INFO hit req-2: 1792 tokens loaded (compressed copy after -, full after 6.60s)",
+            "INFO VeriCache load-or-recompute: req-1: load 512 of 512 stored tokens (est. -; all -, none -); link unmeasured",
+            "INFO VeriCache load-or-recompute: req-3: recompute 0 of 512 stored tokens (load 1.2 s, recompute 0.8 s)",
+            "INFO VeriCache load-or-recompute: req-4: recompute (link 0.1 Gbit/s, load ahead)",
+            "WARNING load of req-5 failed (TimeoutError: x): vLLM recomputes its 7 blocks",
+            "INFO SpecDecoding metrics: Mean acceptance length: 2.00, Accepted: 10 tokens, Drafted: 20 tokens, x",
+            "INFO SpecDecoding metrics: Mean acceptance length: 2.00, Accepted: 5 tokens, Drafted: 6 tokens, x",
+        ]
+    )
+    got = vllm_bench.log_stats(log)
+    assert got["hits"] == 2 and got["loads_s"] == [1.7, 6.6] and got["loaded_tokens"] == [1792, 1792]
+    assert got["decisions"] == {"load": 1, "recompute": 2}
+    assert got["load_failures"] == 1 and got["spec_log_accepted_drafted"] == [15, 26]
