@@ -192,6 +192,7 @@ def test_a_slow_link_is_not_loaded_from(model_dir, store_url):
     sched.add_request(req)
     so = sched.schedule()
     assert not so.kv_connector_metadata.loads and so.num_scheduled_tokens[req.request_id] == len(PROMPT)
+    assert not so.kv_connector_metadata.saves  # the store holds it: computed, not written again
 
 
 def test_store_down_is_a_miss(model_dir):

@@ -36,6 +36,7 @@ from .config import ConnectorSpec
 from .handoff import row_key
 from .load_plan import LoadPlanner
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
+from .stats import StatsRecorder
 
 logger = init_logger("vllm.vericache")
 RECENT_PREFIXES = 4096  # prefixes saved or loaded lately, not saved again (one the store no longer holds is
@@ -89,6 +90,7 @@ class VeriCacheConnectorScheduler:
         self._recent: OrderedDict[tuple[int, int], tuple[str, float]] = OrderedDict()  # (loaded | saved, when)
         self._seeded: list[tuple[int, int]] = []  # seeded sampled requests not told to the worker yet
         self._told: set[str] = set()
+        self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
 
     def _seen(self, prefix: list[int], remember: str | None = None) -> bool:
         """Whether `prefix` was saved or loaded lately (remember="saved" / "loaded": it is now)."""
@@ -125,10 +127,12 @@ class VeriCacheConnectorScheduler:
         try:
             found = self.client.call(self.client.store.lookup(prompt[:stored]))
         except Exception as e:  # down or slow: a miss (recompute), never a failed request
+            self.stats.lookup(request.request_id, e)
             logger.warning(
                 "store lookup failed for %s (%s: %s): computing the prompt", request.request_id, type(e).__name__, e
             )
             return 0, False
+        self.stats.lookup(request.request_id, found, self.client, prompt[:stored], self.compressor.spec)
         if found < stored and self._should_hold(prompt[:stored]):  # loaded or saved here, now (partly) gone:
             logger.info(  # corrupt (a miss, logged by the store) or evicted: computed here, then rewritten
                 "stored prefix of %s holds %d of %d tokens now: computing it and rewriting the copy",
@@ -158,9 +162,12 @@ class VeriCacheConnectorScheduler:
             load = plan.load
             if rid not in self._planned:
                 self._planned.add(rid)
+                self.stats.count("load_decisions", plan.decision)
                 logger.info("VeriCache load-or-recompute: %s: %s", rid, plan.describe())
         self._owners[key] = _Owner(rid, load > 0, time.monotonic())
         if load == 0:  # computed here: with our proposer, its compressed copy still comes to draft on
+            if found == self.stored_len(prompt):  # the store holds it whole: not saved again after computing
+                self._seen(prompt[:found], remember="loaded")
             self.planner.prefill_left(rid, len(prompt) - computed)
             if self.spec.runs_proposer:
                 self._drafts_only.append(
@@ -277,4 +284,5 @@ class VeriCacheConnectorScheduler:
         self.planner.forget(rid)
         self._prompt_len.pop(rid, None)
         self._planned.discard(rid)
+        self.stats.forget(rid)
         return False, None
