@@ -7,7 +7,7 @@ import logging
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import AsyncIterator, Iterable, Mapping, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 from .credentials import redact_url
@@ -48,10 +48,22 @@ class BackendOptions:
         )
 
 
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object as StorageBackend.scan lists it."""
+
+    key: str
+    size: int
+    used_at: float | None  # unix seconds of its last write or refresh (Redis: last access); None: unknown
+
+
 class StorageBackend(ABC):
     """Async byte store. Keys are str, values bytes; every put is all-or-nothing."""
 
     url: str = ""
+    # True when a use should refresh entries (touch): the store has a TTL or a capacity kept by recency
+    refreshes: bool = False
+    ttl_s: float | None = None  # entries expire this long after their last write or refresh
 
     @abstractmethod
     async def put(self, key: str, data: bytes) -> None: ...
@@ -79,6 +91,17 @@ class StorageBackend(ABC):
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return list(await asyncio.gather(*(self.exists(k) for k in keys)))
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        """Mark keys used now: a TTL starts again, an LRU capacity sees them as recent. Later keys count as
+        used more recently than earlier ones. Absent keys are fine. Default: nothing to do."""
+        return None
+
+    async def scan(self) -> AsyncIterator[ObjectInfo]:
+        """Every stored object (for `vericache store stats` and `evict`); raises NotImplementedError where
+        the store cannot list its keys."""
+        raise NotImplementedError(f"{redact_url(self.url)}: this store cannot list its keys")
+        yield  # pragma: no cover - makes this an async generator
 
     async def close(self) -> None:
         return None
@@ -123,6 +146,20 @@ def query_options(url: str) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(split_url(url).query).items()}
 
 
+def pop_optional(opts: dict, name: str, kind=float):
+    """Option name as a number > 0 (kind: float or int), or None when it is not given."""
+    value = opts.pop(name, None)
+    if value is None or value == "":
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name}={value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not number > 0 or number != number or number == float("inf"):
+        raise ValueError(f"option {name}={value!r} must be > 0 and finite")
+    return number
+
+
 def pop_float(opts: dict, name: str, default: float) -> float:
     value = opts.pop(name, default)
     try:
@@ -137,8 +174,9 @@ def pop_float(opts: dict, name: str, default: float) -> float:
 def open_backend(url: str, **opts) -> StorageBackend:
     """Open the backend named by url's scheme.
 
-    local://[name] (process memory), local:///dir (disk), redis://host:port/db,
-    s3://bucket/prefix?endpoint_url=...&region=..., nixl://host:port.
+    local://[name] (process memory), local:///dir[?max_bytes=N] (disk), redis://host:port/db (rediss://: TLS),
+    redis+cluster://host:port,host:port,... (Redis Cluster), redis+sentinel://host:port,.../service[/db],
+    s3://bucket/prefix?endpoint_url=...&region=..., nixl://host:port. Redis and S3 take ttl_s.
     Options (timeout_s, connect_timeout_s, ...) come from **opts or the query. Errors name the URL
     through redact_url: a password never appears in them.
     """
@@ -153,6 +191,14 @@ def open_backend(url: str, **opts) -> StorageBackend:
         from .redis_connector import RedisBackend
 
         return RedisBackend(url, **opts)
+    if scheme == "redis+cluster":
+        from .redis_cluster import RedisClusterBackend
+
+        return RedisClusterBackend(url, **opts)
+    if scheme == "redis+sentinel":
+        from .redis_sentinel import RedisSentinelBackend
+
+        return RedisSentinelBackend(url, **opts)
     if scheme == "s3":
         from .s3_connector import S3Backend
 
@@ -162,5 +208,5 @@ def open_backend(url: str, **opts) -> StorageBackend:
 
         return NixlBackend(url, **opts)
     raise ValueError(
-        f"bad store URL {redact_url(url)!r}: unknown scheme {redact_url(scheme)!r} (expected local, redis, s3 or nixl)"
+        f"bad store URL {redact_url(url)!r}: unknown scheme {redact_url(scheme)!r} (expected local, redis, rediss, redis+cluster, redis+sentinel, s3 or nixl)"
     )

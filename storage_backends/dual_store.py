@@ -17,6 +17,14 @@ key (a manifest is a few KiB), so what they report present is what the reader
 can load.
 Payload reads are bounded by the manifest's size (a range read of size + 1
 bytes), so a planted huge object is never read whole.
+
+Bounded stores (docs/operations.md): on a backend that ``refreshes`` (a TTL, or a
+capacity kept least recently used first), a hit refreshes what it uses, both
+copies of each chunk (``lookup``: the full copy's manifests and payloads;
+``has_compressed`` / ``get_compressed`` / ``stream_compressed``: the compressed
+copy, where the backend has a TTL). A prefix's chunks are touched last chunk
+first, so its first chunk counts as the most recent and an LRU eviction takes a
+prefix from its end; ``put_prefix`` touches what it wrote the same way.
 """
 
 from __future__ import annotations
@@ -137,7 +145,7 @@ class DualCopyStore:
         n = chunks[-1].end
         result = PutResult(chunks[-1].base, n)
         if full_layers is not None:
-            await self._put_full(chunks, full_layers, token_dim, overwrite, result)
+            written = await self._put_full(chunks, full_layers, token_dim, overwrite, result)
         for spec, value in (compressed or {}).items():
             check_spec(spec)
             if spec == FULL:
@@ -147,11 +155,14 @@ class DualCopyStore:
             except (TypeError, ValueError):
                 raise ValueError(f"compressed[{spec!r}] must be (meta, layers)") from None
             result.compressed_bytes[spec] = await self._put_copy(chunks[-1], spec, meta, layers, 0, n, overwrite)
+        if full_layers is not None and self.backend.refreshes and self.backend.ttl_s is None:
+            await self._touch_full(written)  # LRU: the prefix's first chunk the most recent
         return result
 
     async def _put_full(
         self, chunks: list[ChunkKey], layers: Layers, token_dim: int, overwrite: bool, result: PutResult
-    ) -> None:
+    ) -> list[Manifest]:
+        """Writes the chunks not stored yet; returns the manifests of every chunk it wrote or found."""
         n = chunks[-1].end
         if not layers:
             raise ValueError("full_layers is empty")
@@ -164,10 +175,11 @@ class DualCopyStore:
                     raise ValueError(
                         f"full_layers[{i}][{name!r}] has shape {tuple(t.shape)}: expected {n} tokens on dim {token_dim}"
                     )
-        present = [False] * len(chunks)
+        present = [None] * len(chunks)
         if not overwrite:
             present = await self._full_present(chunks)
         todo = [c for c, p in zip(chunks, present) if not p]
+        found = {c.start: p for c, p in zip(chunks, present) if isinstance(p, Manifest)}
         result.full_chunks_present = len(chunks) - len(todo)
         per_token = sum(t.numel() * t.element_size() for layer in layers for t in layer.values()) / n
         per_batch = max(1, int(self.write_batch_bytes // max(1.0, per_token * self.keys.chunk_size)))
@@ -178,8 +190,26 @@ class DualCopyStore:
             await self.backend.put_many({m.key: m.to_bytes(self._mac) for m, _ in encoded})  # manifests last
             result.full_chunks_written += len(batch)
             result.full_bytes += sum(len(d) for _, d in encoded)
+            found.update((m.start_token, m) for m, _ in encoded)
+        return [found[c.start] for c in chunks if c.start in found]
 
-    async def _full_present(self, chunks: list[ChunkKey]) -> list[bool]:
+    async def _touch_full(self, manifests: list[Manifest]) -> None:
+        """Refresh the full copy of a prefix's chunks (manifests in chunk order): last chunk first."""
+        if manifests:
+            await self._touch([k for m in reversed(manifests) for k in (m.key, m.payload_key)])
+
+    async def _touch_copy(self, m: Manifest) -> None:
+        """Refresh a compressed copy where entries expire (a TTL): LRU recency is the full copy's."""
+        if self.backend.ttl_s is not None:
+            await self._touch([m.payload_key, m.key])
+
+    async def _touch(self, keys: list[str]) -> None:
+        try:
+            await self.backend.touch(keys)
+        except StoreError as e:  # the entry is still there to use: only its refresh failed
+            logger.warning("refresh of %d stored objects failed: %s", len(keys), e)
+
+    async def _full_present(self, chunks: list[ChunkKey]) -> list[Manifest | bool]:
         """Which chunks' full copies need no write: a manifest that checks, or one under another key
         regime (with a MAC where this store has none, or the reverse: not this writer's to replace). A
         corrupt manifest is rewritten: lookup reports it missing, so nothing else would repair it."""
@@ -187,7 +217,7 @@ class DualCopyStore:
         out = []
         for c, key, raw in zip(chunks, keys, await self.backend.get_many(keys)):
             try:
-                out.append(raw is not None and self._check_full(c, key, raw) is not None)
+                out.append(raw is not None and self._check_full(c, key, raw))
             except UnauthenticatedObject:
                 out.append(True)
             except CorruptObject:
@@ -253,25 +283,31 @@ class DualCopyStore:
         if not chunks:
             return 0
         keys = [c.copy(FULL) for c in chunks]
-        hit = 0
+        hit, found = 0, []
         for c, key, raw in zip(chunks, keys, await self.backend.get_many(keys)):
             try:
-                ok = raw is not None and self._check_full(c, key, raw) is not None
+                m = None if raw is None else self._check_full(c, key, raw)
             except CorruptObject as e:
                 logger.warning("full copy of tokens [%d, %d) is a miss: %s", c.start, c.end, e)
-                ok = False
-            if not ok:
+                m = None
+            if m is None:
                 break
             hit = c.end
+            found.append(m)
+        if self.backend.refreshes:
+            await self._touch_full(found)
         return hit
 
     async def has_compressed(self, token_ids: Sequence[int], spec: str) -> bool:
         """Whether compressed copy ``spec`` of exactly this prefix is stored and its manifest checks."""
         key = self.keys.prefix_key(token_ids).copy(check_spec(spec))
         try:
-            return await self._manifest(key) is not None
+            m = await self._manifest(key)
         except CorruptObject:
             return False  # logged by _manifest
+        if m is not None:
+            await self._touch_copy(m)
+        return m is not None
 
     def _parse(self, key: str, raw) -> Manifest:
         """A manifest read from key: parsed, authenticated (with a MAC key) and of this model/dtype."""
@@ -308,6 +344,7 @@ class DualCopyStore:
             return None  # a miss, logged
         if m is None:
             return None
+        await self._touch_copy(m)
         try:
             # never more than the manifest's size (+1 to see a grown object): a planted huge object is not read
             data = m.verify_payload(await self.backend.get_range(m.payload_key, 0, m.size + 1), self._mac)
@@ -337,6 +374,7 @@ class DualCopyStore:
         for key, m in zip(keys, manifests):
             if m is None:
                 raise MissingObject(f"compressed copy {key!r} is not stored (the first one is)")
+            await self._touch_copy(m)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.prefetch_layers)
         fetcher = asyncio.create_task(self._fetch_ranges(manifests, queue))
         try:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Iterable, Mapping
+import time
+from typing import AsyncIterator, Iterable, Mapping, Sequence
 
 from .base import (
     BackendOptions,
     CorruptObject,
+    ObjectInfo,
     StorageBackend,
     StoreUnavailable,
     check_range,
     logger,
+    pop_optional,
     query_options,
     redact_url,
     split_url,
@@ -29,7 +32,10 @@ class S3Backend(StorageBackend):
     Options (kwargs or URL query): endpoint_url, region, timeout_s,
     connect_timeout_s, max_attempts (1 = no retries), max_concurrency,
     create_bucket (default 1), max_object_bytes (default 1 GiB: a whole-object GET of anything
-    bigger fails with CorruptObject before its body is read; range reads are bounded by their range).
+    bigger fails with CorruptObject before its body is read; range reads are bounded by their range),
+    ttl_s (an object last written or refreshed longer ago than this, by its LastModified, reads as absent;
+    touch refreshes it with a server-side copy onto itself, at most once per ttl_s / 4 from this process;
+    S3 deletes nothing by itself: `vericache store evict --older-than` or a lifecycle rule does).
     Credentials come from the usual AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, profiles,
     ...), never from the URL.
     """
@@ -51,6 +57,9 @@ class S3Backend(StorageBackend):
         self.max_concurrency = int(opts.pop("max_concurrency", 8))
         self.create_bucket = str(opts.pop("create_bucket", "1")).lower() in ("1", "true", "yes")
         self.max_object_bytes = int(opts.pop("max_object_bytes", 1 << 30))
+        self.ttl_s = pop_optional(opts, "ttl_s")
+        self.refreshes = self.ttl_s is not None
+        self._fresh: dict[str, float] = {}  # key -> when this process last wrote or refreshed it (monotonic)
         if opts:
             raise unknown_options(opts, url)
         self.url = shown
@@ -108,6 +117,40 @@ class S3Backend(StorageBackend):
 
     def _put(self, key: str, data: bytes) -> None:
         self._s3().put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        self._mark_fresh(key)
+
+    def _mark_fresh(self, key: str) -> None:
+        if self.ttl_s is not None:
+            if len(self._fresh) > 100_000:
+                self._fresh.clear()
+            self._fresh[key] = time.monotonic()
+
+    def _expired(self, resp) -> bool:
+        modified = resp.get("LastModified")
+        return self.ttl_s is not None and modified is not None and modified.timestamp() < time.time() - self.ttl_s
+
+    def _refresh(self, key: str) -> None:
+        """A server-side copy of the object onto itself: its LastModified is now (no bytes cross the link)."""
+        from botocore.exceptions import ClientError
+
+        k = self._key(key)
+        try:
+            self._s3().copy_object(
+                Bucket=self.bucket, Key=k, CopySource={"Bucket": self.bucket, "Key": k}, MetadataDirective="REPLACE"
+            )
+        except ClientError as e:
+            if _code(e) not in _MISSING_CODES:
+                raise
+            return
+        self._mark_fresh(key)
+
+    def _list(self) -> list[ObjectInfo]:
+        start = f"{self.prefix}/" if self.prefix else ""
+        out = []
+        for page in self._s3().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            for o in page.get("Contents", ()):
+                out.append(ObjectInfo(o["Key"][len(start) :], int(o["Size"]), o["LastModified"].timestamp()))
+        return out
 
     def _get(self, key: str, start: int | None = None, end: int | None = None) -> bytes | None:
         from botocore.exceptions import ClientError
@@ -132,6 +175,8 @@ class S3Backend(StorageBackend):
         body = resp["Body"]
         expected = resp.get("ContentLength")
         try:
+            if self._expired(resp):
+                return None
             if expected is not None and expected > limit:  # checked before a byte of the body is read
                 raise CorruptObject(f"{self.url}: object {key!r} is {expected} bytes, more than the {limit} expected")
             data = body.read(None if expected is not None else limit + 1)
@@ -147,8 +192,7 @@ class S3Backend(StorageBackend):
         from botocore.exceptions import ClientError
 
         try:
-            self._s3().head_object(Bucket=self.bucket, Key=self._key(key))
-            return True
+            return not self._expired(self._s3().head_object(Bucket=self.bucket, Key=self._key(key)))
         except ClientError as e:
             if _code(e) in _MISSING_CODES:
                 return False
@@ -196,6 +240,17 @@ class S3Backend(StorageBackend):
 
     async def delete(self, key: str) -> None:
         await self._run("DELETE", key, self._delete, key)
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        if self.ttl_s is None:
+            return
+        now = time.monotonic()
+        due = [k for k in dict.fromkeys(keys) if now - self._fresh.get(k, -1e18) > self.ttl_s / 4]
+        await asyncio.gather(*(self._run("COPY", k, self._refresh, k) for k in due))
+
+    async def scan(self) -> AsyncIterator[ObjectInfo]:
+        for o in await self._run("LIST", self.prefix, self._list):
+            yield o
 
     async def put_many(self, items: Mapping[str, bytes]) -> None:
         await asyncio.gather(*(self.put(k, v) for k, v in items.items()))

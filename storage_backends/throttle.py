@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterable, Mapping
+from typing import AsyncIterator, Iterable, Mapping, Sequence
 
-from .base import StorageBackend
+from .base import ObjectInfo, StorageBackend
 
 
 class TokenBucket:
@@ -90,6 +90,20 @@ class ThrottledBackend(StorageBackend):
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return await self.inner.exists_many(keys)
+
+    @property
+    def refreshes(self) -> bool:
+        return self.inner.refreshes
+
+    @property
+    def ttl_s(self) -> float | None:
+        return self.inner.ttl_s
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        await self.inner.touch(keys)
+
+    def scan(self) -> AsyncIterator[ObjectInfo]:
+        return self.inner.scan()
 
     async def close(self) -> None:
         await self.inner.close()

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     sub.add_parser("list", help="list every compressor preset by kind, with what each needs, and the bundled prompts")
     add_remote_parsers(sub)
+    from .store.cli import add_store_parser
+
+    add_store_parser(sub)
     return p
 
 
@@ -271,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args = build_parser().parse_args(argv)
-        return {"demo": cmd_demo, "list": cmd_list, **REMOTE_COMMANDS}[args.command](args)
+        from .store import cli as store_cli
+
+        return {"demo": cmd_demo, "list": cmd_list, "store": store_cli.main, **REMOTE_COMMANDS}[args.command](args)
     except Exception as e:  # exit 1 means "not identical": every failure is 2, on one line
         print(error_line(e), file=sys.stderr)
         return 2

@@ -13,7 +13,10 @@ import storage_backends
 
 PACKAGE = Path(storage_backends.__file__).parent
 NAME = "storage_backends"
-EXEMPT = {("base", m) for m in ("local_connector", "redis_connector", "s3_connector", "nixl_connector")}
+EXEMPT = {
+    ("base", m)
+    for m in ("local_connector", "redis_connector", "redis_cluster", "redis_sentinel", "s3_connector", "nixl_connector")
+}
 
 
 def _modules() -> dict[str, Path]:

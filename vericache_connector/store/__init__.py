@@ -2,7 +2,8 @@
 
 config.py (RemoteCacheConfig: the one owner of store settings, the store path's compressor default),
 client.py (StoreClient: a storage_backends.DualCopyStore driven from synchronous code on its own event-loop
-thread), full_copy.py (the full copy streamed layer by layer into whatever holds it). Used by the engine's
+thread), full_copy.py (the full copy streamed layer by layer into whatever holds it), cli.py (`vericache store
+stats / evict`: what a store holds, eviction for stores without a policy of their own). Used by the engine's
 prefix cache and the verifier (remote/), and by both halves of the vLLM connector (integration/vllm/).
 It sits just above storage_backends: it imports no model, engine or compressor.
 """

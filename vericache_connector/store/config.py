@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from storage_backends import redact_url
 from storage_backends.base import query_options
 
-SCHEMES = ("local", "redis", "rediss", "s3", "nixl")
+SCHEMES = ("local", "redis", "rediss", "redis+cluster", "redis+sentinel", "s3", "nixl")
 DEFAULT_TIMEOUT_S = 5.0  # a lookup, a compressed fetch, one layer of the full stream (then: recompute)
 # the verifier's opening call: its answer waits for the request's full-KV load, queued behind other loads
 VERIFIER_LOAD_TIMEOUT_S = 30.0
