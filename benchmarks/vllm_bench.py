@@ -23,6 +23,13 @@ configuration)), table.md, command.txt, throughput.png, dataset.jsonl, clients/ 
 output per run) and logs/ (every server's log). Same-run ratios only; run it on an idle machine.
 
     python benchmarks/vllm_bench.py --concurrency 1 4 8 --gbits 0.1 0.4
+
+--topology router (vllm_bench_router.py): the same client and summary over N drafter-role servers + a verifier
+beside the store + `vericache router`, against the same N cores running connector replicas or plain vLLM
+replicas behind a prefix-aware proxy (issue 39's workload: --documents 4 --doc-tokens 1600 --questions 2
+--new 32 --gbits 0.2, kivi4, the link scaled to Llama-3-8B's KV):
+
+    python benchmarks/vllm_bench.py --topology router --drafters 2 --concurrency 1 4 8 --gbits 0.2
 """
 
 from __future__ import annotations
@@ -120,7 +127,7 @@ class Configuration:
             ngram_k=a.ngram_k if self.spec == "ngram" else 0,
             prefix_caching=True,
             max_model_len=ctx.max_model_len,
-            bandwidth_bytes_per_s=None if ctx.gbits is None else ctx.gbits * 1e9 / 8,
+            bandwidth_bytes_per_s=None if ctx.gbits is None else ctx.gbits * 1e9 / 8 * link_scale(a),
             timeout_s=120.0,  # a slow emulated link: a layer may take seconds
         )
         return {"vllm": cfg}
@@ -138,7 +145,18 @@ CONFIGURATIONS = (
     Configuration("connector + ngram", "connector-ngram", spec="ngram"),
     Configuration("connector + proposer", "connector-proposer", spec="proposer", alternative=False),
 )
-BY_NAME = {c.label: c for c in CONFIGURATIONS} | {c.slug: c for c in CONFIGURATIONS}
+
+
+def _topology():
+    from vllm_bench_router import TOPOLOGY
+
+    return TOPOLOGY
+
+
+TOPOLOGIES = {"single": CONFIGURATIONS, "router": _topology()}
+BY_NAME = {c.label: c for t in TOPOLOGIES.values() for c in t} | {c.slug: c for t in TOPOLOGIES.values() for c in t}
+REFERENCE = {"single": "plain vLLM", "router": "plain vLLM (N replicas)"}  # what every text is compared with
+OURS = {"single": "connector + proposer", "router": "router"}
 PLAIN = "plain vLLM"
 
 
@@ -179,12 +197,21 @@ def parse_args(argv=None):
     p.add_argument("--gbits", type=float, nargs="+", default=[0.1, 0.4], help="EMULATED store link, Gbit/s")
     p.add_argument("--spec-k", type=int, default=32, help="num_speculative_tokens of our proposer")
     p.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens of vLLM's n-gram proposer")
+    p.add_argument("--topology", default="single", choices=list(TOPOLOGIES), help="one server, or the router's")
+    p.add_argument("--drafters", type=int, default=2, help="--topology router: drafter-role servers (and replicas)")
+    p.add_argument(
+        "--scale-to",
+        default=None,
+        choices=["llama3-8b", "none"],
+        help="the link's Gbit/s scaled to this model's KV bytes (default: none for single, llama3-8b for router)",
+    )
     p.add_argument(
         "--configs",
         nargs="+",
-        default=[c.label for c in CONFIGURATIONS],
+        default=None,
         metavar="CONFIG",
-        help="a subset, by label or short name: " + ", ".join(f"'{c.label}' ({c.slug})" for c in CONFIGURATIONS),
+        help="a subset, by label or short name: "
+        + ", ".join(f"'{c.label}' ({c.slug})" for t in TOPOLOGIES.values() for c in t),
     )
     p.add_argument("--rounds", type=int, default=1, help="the whole grid this many times (means; identical: all)")
     p.add_argument("--seed", type=int, default=0, help="the shuffle of the requests")
@@ -193,11 +220,16 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results/vllm_bench")
     p.add_argument("--dry-run", action="store_true", help="build the dataset and print the commands; run nothing")
     a = p.parse_args(argv)
-    unknown = [c for c in a.configs if c not in BY_NAME]
+    topology = TOPOLOGIES[a.topology]
+    a.configs = a.configs or [c.label for c in topology]
+    unknown = [c for c in a.configs if c not in BY_NAME or BY_NAME[c] not in topology]
     if unknown:
-        p.error(f"unknown --configs {unknown}; choose from {[c.label for c in CONFIGURATIONS]}")
+        p.error(f"unknown --configs {unknown} for --topology {a.topology}; choose from {[c.label for c in topology]}")
     chosen = {BY_NAME[c].label for c in a.configs}
-    a.configs = [c.label for c in CONFIGURATIONS if c.label in chosen]  # the table's order
+    a.configs = [c.label for c in topology if c.label in chosen]  # the table's order
+    a.scale_to = a.scale_to or ("llama3-8b" if a.topology == "router" else "none")
+    if a.topology == "router" and a.drafters < 1:
+        p.error(f"--drafters must be >= 1, got {a.drafters}")
     if a.documents < 1 or a.doc_tokens < 16 or not 1 <= a.questions <= len(QUESTIONS):
         p.error(f"bad workload: --documents {a.documents}, --doc-tokens {a.doc_tokens}, --questions {a.questions}")
     if a.new < 2 or a.spec_k < 1 or a.ngram_k < 1 or a.rounds < 1:
@@ -262,6 +294,13 @@ def write_dataset(workload: Workload, path: Path, new: int) -> None:
     with open(path, "w") as f:
         for r in workload.requests:
             f.write(json.dumps({"prompt": r["prompt"], "output_tokens": new}) + "\n")
+
+
+def link_scale(args) -> float:
+    """The emulated link's bytes/s per Gbit/s stated, relative to 1e9 / 8 (--scale-to)."""
+    from vllm_bench_router import scale
+
+    return scale(args)
 
 
 def kv_bytes_per_token(model: str) -> int | None:
@@ -444,18 +483,18 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
     """runs: one dict per client run (round, concurrency, gbits, configuration, client: vLLM's JSON or None,
     client_json, logs: log_stats, server_logs, load_avg, error). The summary: one entry per (gbits,
     concurrency, configuration), means over rounds; plain vLLM's runs are listed under every link."""
-    requests = workload["requests"]
+    requests, ref_label = workload["requests"], REFERENCE[args.topology]
     plain = {
-        (r["round"], r["concurrency"]): r["client"] for r in runs if r["configuration"] == PLAIN and r.get("client")
+        (r["round"], r["concurrency"]): r["client"] for r in runs if r["configuration"] == ref_label and r.get("client")
     }
     first_c = min(args.concurrency)
     for r in runs:
-        if r["configuration"] == PLAIN:  # plain vLLM at another concurrency against plain vLLM at the first
+        if r["configuration"] == ref_label:  # plain vLLM at another concurrency against plain vLLM at the first
             ref = plain.get((r["round"], first_c))
         else:
             ref = plain.get((r["round"], r["concurrency"]))
         r.update(compare(r.get("client"), ref, requests, args.new))
-        if PLAIN not in args.configs and r.get("client") is not None:
+        if ref_label not in args.configs and r.get("client") is not None:
             r["identical"] = None  # no reference run
         r["metrics"] = client_metrics(r["client"]) if r.get("client") else None
 
@@ -475,10 +514,19 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
         s["x_best_alternative"] = (
             s["output_throughput"] / best["output_throughput"] if best and s["output_throughput"] is not None else None
         )
-        p = next((t for t in point if t["configuration"] == PLAIN), None)
+        p = next((t for t in point if t["configuration"] == ref_label), None)
         s["ttft_vs_plain"] = (
             s["mean_ttft_s"] / p["mean_ttft_s"] if p and p["mean_ttft_s"] and s["mean_ttft_s"] is not None else None
         )
+        s["ttft_vs_best_alternative"] = (
+            s["mean_ttft_s"] / min(t["mean_ttft_s"] for t in alts if t["mean_ttft_s"] is not None)
+            if alts and s["mean_ttft_s"] is not None and any(t["mean_ttft_s"] for t in alts)
+            else None
+        )
+        loaders = [t for t in point if t.get("mean_load_s") is not None and t["configuration"] != OURS[args.topology]]
+        decode = p and p["mean_e2e_s"] is not None and p["mean_e2e_s"] - p["mean_ttft_s"]
+        s["fetch_over_decode"] = loaders[0]["mean_load_s"] / decode if loaders and decode else None
+        s["drafters"] = args.drafters if args.topology == "router" else None
     for r in runs:
         r.pop("client", None)  # the raw JSON stays in its file (client_json)
     return {
@@ -584,14 +632,19 @@ def table(result: dict) -> str:
     for g, c in points:
         point = {s["configuration"]: s for s in result["summary"] if (s["gbits"], s["concurrency"]) == (g, c)}
         parts = []
-        prop = point.get("connector + proposer")
-        if prop and prop.get("x_best_alternative") is not None:
+        ours = point.get(OURS[a["topology"]])
+        if ours and ours.get("x_best_alternative") is not None:
             parts.append(
-                f"connector + proposer {prop['x_best_alternative']:.2f}x the best alternative ({prop['best_alternative']})"
+                f"{ours['configuration']} {ours['x_best_alternative']:.2f}x the best alternative "
+                f"({ours['best_alternative']}), TTFT {fmt(ours.get('ttft_vs_best_alternative'))}x its best"
             )
-        conn = point.get("connector")
-        if conn and conn.get("ttft_vs_plain") is not None:
-            parts.append(f"connector TTFT / plain TTFT {conn['ttft_vs_plain']:.2f}")
+        for label in ("connector", "connector + proposer"):
+            conn = point.get(label)
+            if conn and conn.get("ttft_vs_plain") is not None:
+                parts.append(f"{label} TTFT / plain TTFT {conn['ttft_vs_plain']:.2f}")
+        fd = next((x["fetch_over_decode"] for x in point.values() if x.get("fetch_over_decode")), None)
+        if fd is not None:
+            parts.append(f"fetch / decode {fd:.2f}")
         if parts:
             lines.append(f"- {link_name(g)}, concurrency {c}: " + "; ".join(parts))
     lines += [
@@ -616,7 +669,7 @@ def plot(summary: list[dict], path: Path) -> None:
     links = sorted({s["gbits"] for s in summary})
     fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), sharey=True, squeeze=False)
     for ax, g in zip(axes[0], links):
-        for cfg in CONFIGURATIONS:
+        for cfg in (c for t in TOPOLOGIES.values() for c in t):
             pts = sorted(
                 (s["concurrency"], s["output_throughput"])
                 for s in summary
@@ -659,8 +712,8 @@ def main(argv=None) -> int:
     )
     for w in work.warnings:
         print(f"WARNING: {w}", flush=True)
-    if PLAIN not in args.configs:
-        print("WARNING: plain vLLM is not run: no reference for 'identical' (null)", flush=True)
+    if REFERENCE[args.topology] not in args.configs:
+        print(f"WARNING: {REFERENCE[args.topology]} is not run: no reference for 'identical' (null)", flush=True)
     max_len = max(r["tokens"] for r in work.requests) + args.new + max(args.spec_k, args.ngram_k) + 64
     per_token = kv_bytes_per_token(model)
     shared = work.documents[0]["stored"]
@@ -674,7 +727,10 @@ def main(argv=None) -> int:
         "new_tokens": args.new,
         "chunk": chunk,
         "full_copy_bytes": None if per_token is None else per_token * shared,
-        "link_s": {f"{g:g}": per_token * shared * 8 / (g * 1e9) for g in args.gbits} if per_token else None,
+        "link_s": {f"{g:g}": per_token * shared * 8 / (g * 1e9 * link_scale(args)) for g in args.gbits}
+        if per_token
+        else None,
+        "link_scaled_to": args.scale_to,
         "warnings": work.warnings,
     }
     runs = plan_runs(args)

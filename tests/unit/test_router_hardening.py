@@ -7,6 +7,7 @@ The same malformed bodies against a real vLLM server: tests/integration/vllm/tes
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -254,3 +255,24 @@ def test_a_saturated_verifier_hands_new_requests_to_a_drafter_alone():
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"] == greedy(PROMPT, 8)
     alone = drafter.bodies[-1]
     assert alone["kv_transfer_params"] == {"vericache": "off"} and alone["cache_salt"] == "vericache-exact"
+
+
+def test_vllms_benchmark_client_payload_is_drafted_and_answered_as_vllm_streams():
+    """What `vllm bench serve` sends (logprobs null, repetition_penalty 1.0, stream_options include_usage):
+    drafted for, and the usage comes in a last chunk of its own with no choices, as vLLM streams it."""
+    body = {"model": "fake", "prompt": "def f(x): return x" * 20, "repetition_penalty": 1.0, "max_tokens": 8,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    lines = []
+
+    async def go():
+        async with Stack([("v", Fake("verifier"))], [("d", Fake("drafter"))]) as st:
+            async with aiohttp.ClientSession() as s, s.post(st.url + "/v1/completions", json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        lines.append(json.loads(line[6:]))
+
+    run(go())
+    *chunks, usage = lines
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+    assert chunks[-1]["vericache"]["path"] == "verified" and chunks[-1]["choices"][0]["finish_reason"] == "length"

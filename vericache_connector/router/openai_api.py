@@ -107,7 +107,8 @@ def parse(path: str, body: dict, defaults: dict, vocab: int) -> Parsed | None:
     """The request for drafting, or None: pass it on (module docstring). `defaults`: the served model's
     generation-config sampling defaults (a penalty set there applies to requests that leave it out);
     `vocab`: token ids must be below it."""
-    if set(body) - SPECULATED[path] or "temperature" not in body:  # absent: the verifier's default, not 0
+    body = {k: v for k, v in body.items() if v is not None or k in ("max_tokens", "max_completion_tokens")}
+    if set(body) - SPECULATED[path] or "temperature" not in body:  # null is absent (vLLM: its default)
         return None
     if not all(CHECKS[k](v) for k, v in body.items() if k not in ("prompt", "messages")):  # read below
         return None

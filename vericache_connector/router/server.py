@@ -220,9 +220,10 @@ def make_app(router: Router):
         if req.stream:
             last = reply.chunk("", [], finish)
             last["vericache"] = served
-            if req.include_usage:
-                last["usage"] = usage
-            await resp.write(sse(last) + b"data: [DONE]\n\n")
+            tail = sse(last)
+            if req.include_usage:  # as vLLM: a last chunk of its own, no choices
+                tail += sse({**reply.chunk("", [], None), "choices": [], "usage": usage})
+            await write(resp, tail + b"data: [DONE]\n\n")
             return resp
         return web.json_response({**reply.whole(text.text, tokens, finish, usage), "vericache": served})
 
