@@ -83,6 +83,7 @@ LEVELS = {
     "vericache_connector.data": 0,
     "vericache_connector.model": 1,
     "vericache_connector.store": 1,
+    "vericache_connector.metrics": 1,
     "vericache_connector.compressors": 2,
     "vericache_connector.draft": 3,
     "vericache_connector.engine": 4,
