@@ -191,7 +191,6 @@ def run_one(
         prediction=rep.prediction,
         hardware=None if hardware is None else vars(hardware),
         identical=same == len(reqs),
-        max_concurrent=max_concurrency(rep),
     )
     return row
 
@@ -226,16 +225,6 @@ def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops:
     return Hardware(
         "CPU (calibrated)", bw, flops, 0.0, link_bytes_per_s, attn_flops=rates[0], draft_attn_flops=rates[1]
     )
-
-
-def max_concurrency(rep) -> int:
-    """Most requests admitted and not finished at any one time."""
-    ev = sorted([(r.admitted_s, 1) for r in rep.requests] + [(r.finished_s, -1) for r in rep.requests])
-    cur = best = 0
-    for _, d in ev:
-        cur += d
-        best = max(best, cur)
-    return best
 
 
 def main(argv=None) -> int:

@@ -90,15 +90,6 @@ def demo_prompts(engine: VeriCacheEngine, n: int, tokens: int) -> list[list[int]
     return [(stream + stream)[i * step : i * step + tokens] for i in range(n)]
 
 
-def max_rows(report) -> int:
-    ev = sorted([(r.admitted_s, 1) for r in report.requests] + [(r.finished_s, -1) for r in report.requests])
-    cur = best = 0
-    for _, d in ev:
-        cur += d
-        best = max(best, cur)
-    return best
-
-
 def run_serving_demo(
     engine: VeriCacheEngine,
     requests: int = 4,
@@ -165,7 +156,7 @@ def run_serving_demo(
                 policy,
                 rep.tokens_per_s,
                 rep.mean_latency_s,
-                max_rows(rep),
+                rep.max_concurrent,
                 same,
                 requests,
                 rep.mean_accepted,

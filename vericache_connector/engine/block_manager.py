@@ -7,12 +7,16 @@ of block ids per pool, and token j of its view sits in block ids[j // bs] at off
 The BlockManager is the device budget: every allocated block of every pool, plus transient holds (a
 prefill's KV before it moves to the host tier), counts against one byte cap; an allocation that would
 pass it raises BudgetExceeded. Pools are sized so that each could take the whole budget; the cap, not
-the tensors' size, decides what fits. On the CPU this byte cap is how the GPU's memory limit is emulated.
+the tensors' size, decides what fits. On the CPU this byte cap is how the GPU's memory limit is emulated. A
+pool is made for the requests known when serving starts and grows (BlockManager.allocate) when a request added
+later needs more blocks than it has while the budget allows them; the host link's copy thread writes into a pool
+under its lock, so a growing pool never loses a copy.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -24,11 +28,6 @@ Tensor = torch.Tensor
 
 class BudgetExceeded(RuntimeError):
     """An allocation would pass the device budget."""
-
-
-class PoolExhausted(RuntimeError):
-    """A pool has no free block left although the budget would allow the allocation: the pool was sized wrong
-    (a bug, never a normal condition)."""
 
 
 class KVPool:
@@ -57,6 +56,20 @@ class KVPool:
         ]
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.block_bytes = num_layers * 2 * num_kv_heads * head_dim * block_size * self.dtype.itemsize
+        self.lock = threading.Lock()  # the link's copy thread writes under it (copy_blocks); grow swaps under it
+
+    @property
+    def num_blocks(self) -> int:
+        return self.caches[0][0].shape[0]
+
+    def grow(self, extra: int) -> None:
+        """extra more (zeroed) blocks in every layer; block ids and their contents stay."""
+        with self.lock:
+            if self.caches[0][0].is_cuda:
+                torch.cuda.synchronize()  # copies the link queued on its stream land before the swap
+            n = self.num_blocks
+            self.caches = [tuple(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) for x in kv) for kv in self.caches]
+            self.free_blocks[:0] = range(n + extra - 1, n - 1, -1)
 
     @staticmethod
     def blocks_for(tokens: int, block_size: int) -> int:
@@ -83,10 +96,11 @@ class KVPool:
 
     def copy_blocks(self, layer: int, dst: list[int], src_k: Tensor, src_v: Tensor) -> None:
         """Whole blocks in this pool's layout ([n, H, D, bs] keys, [n, H, bs, D] values) into blocks dst."""
-        kc, vc = self.caches[layer]
-        ids = torch.as_tensor(dst, dtype=torch.long, device=kc.device)
-        kc.index_copy_(0, ids, src_k.to(kc.device, non_blocking=True))
-        vc.index_copy_(0, ids, src_v.to(vc.device, non_blocking=True))
+        with self.lock:
+            kc, vc = self.caches[layer]
+            ids = torch.as_tensor(dst, dtype=torch.long, device=kc.device)
+            kc.index_copy_(0, ids, src_k.to(kc.device, non_blocking=True))
+            vc.index_copy_(0, ids, src_v.to(vc.device, non_blocking=True))
 
 
 class PackedPool:
@@ -113,6 +127,18 @@ class PackedPool:
         ]
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.block_bytes = num_layers * fmt.block_bytes(num_kv_heads, head_dim, block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return next(iter(self.caches[0].values())).shape[0]
+
+    def grow(self, extra: int) -> None:
+        """extra more (zeroed) blocks in every layer (only the engine's thread writes packed blocks)."""
+        n = self.num_blocks
+        self.caches = [
+            {k: torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) for k, x in c.items()} for c in self.caches
+        ]
+        self.free_blocks[:0] = range(n + extra - 1, n - 1, -1)
 
     def write_blocks(self, layer: int, block_ids: list[int], blocks: dict[str, Tensor]) -> None:
         """Whole blocks (vericache_kernels.paged_packed.to_blocks) into block_ids."""
@@ -146,10 +172,11 @@ class BlockManager:
         return n * p.block_bytes if layers is None else n * p.block_bytes * layers // p.num_layers
 
     def allocate(self, pool: str, n: int, layers: int | None = None) -> list[int]:
-        """n blocks of `pool`; layers: only that many of their layers are live at once (staging ring)."""
+        """n blocks of `pool`; layers: only that many of their layers are live at once (staging ring). A pool
+        with fewer free blocks than the budget allows grows (by a quarter at least)."""
         p, nbytes = self.pools[pool], self.block_cost(pool, n, layers)
         if n > len(p.free_blocks) and self.fits(nbytes):
-            raise PoolExhausted(f"pool {pool!r} has {len(p.free_blocks)} free blocks, {n} wanted")
+            p.grow(max(n - len(p.free_blocks), p.num_blocks // 4))
         if not self.fits(nbytes):
             raise BudgetExceeded(
                 f"{n} blocks of pool {pool!r} ({nbytes} bytes) do not fit: "

@@ -56,6 +56,7 @@ class ServingConfig(DecodeSettings):
     # per-draft acceptance of the compressor)
     hardware: object | None = None
     fallback_margin: float = 0.0
+    planner: bool = True  # the capacity model's decision above (needs hardware)
     prefill_s: float = 0.0  # what a VeriCache prefill adds per request on this hardware (engine/calibrate.py)
 
     def __post_init__(self):

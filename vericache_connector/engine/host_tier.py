@@ -126,11 +126,8 @@ class Link:
         self.fail_next = 0  # tests: the next n reloads fail
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._closed = False
 
     def submit(self, entry: HostEntry, pool: KVPool, staging: list[int], ring: int | None = None) -> Reload:
-        if self._closed:
-            raise RuntimeError("link is closed")
         layers = len(entry.keys)
         r = Reload(
             entry,
@@ -147,7 +144,7 @@ class Link:
         return r
 
     def close(self) -> None:
-        self._closed = True
+        """Stop the copy thread once the reloads queued before are done (a later submit starts a new one)."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(30)

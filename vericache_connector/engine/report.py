@@ -47,7 +47,8 @@ class RequestRecord:
     output: list[int] = field(repr=False)
     ngram_drafted: int = 0  # drafts from the n-gram source (ServingConfig.ngram)
     drafted: list[int] = field(default_factory=list)  # drafts verified per verification
-    switched_s: float | None = None  # when the row went on decoding on its full KV (ServingConfig.tail_full)
+    switched_s: float | None = None  # when the VeriCache row went on decoding on its full KV
+    switched_by: str | None = None  # "tail" (ServingConfig.tail_full) or "guard" (VeriCache lost: ServingConfig.guard)
 
     @property
     def latency_s(self) -> float:
@@ -82,7 +83,9 @@ class ServingReport:
     verifications: int
     mean_accepted: float  # drafts accepted per verification
     alpha: float | None  # per-draft acceptance of the trace's rounds: accepted / (accepted + rounds cut short)
-    switched_to_full: int  # rows that went on on their full KV at the trace's tail
+    switched_to_full: int  # VeriCache rows that went on on their full KV (at the trace's tail, or moved by the guard)
+    moved_by_guard: int  # of those, the rows the guard moved (VeriCache was losing to full KV)
+    max_concurrent: int  # most rows admitted and not finished at once
     link_busy_s: float
     link_utilization: float
     link_max_concurrent: int
@@ -91,17 +94,21 @@ class ServingReport:
     peak_resident_bytes: int
     budget_bytes: int | None
     split: TimeSplit
-    served_policy: str = ""  # what served the trace: the policy, or "full" where the capacity model predicted a loss
+    served_policy: str = ""  # what served the trace: the policy, or "full" where every row was admitted on full KV
     prediction: dict | None = None  # the capacity model's prediction (ServingConfig.hardware)
 
     @classmethod
-    def build(cls, cfg, seqs, makespan: float, split: TimeSplit, blocks, link, reload_failures: int) -> "ServingReport":
+    def build(
+        cls, cfg, seqs, makespan: float, split: TimeSplit, scheduler, link, reload_failures: int
+    ) -> "ServingReport":
+        """The report of the finished sequences `seqs` (scheduler: the budget's peak and the most rows at once)."""
+        blocks = scheduler.blocks
         recs = [
             RequestRecord(
                 s.request_id,
                 s.prompt_len,
                 len(s.output),
-                s.request.arrival_s,
+                s.arrival_s,
                 s.admitted_s,
                 s.first_token_s,
                 s.finished_s,
@@ -110,6 +117,7 @@ class ServingReport:
                 s.ngram_drafted,
                 list(s.drafted),
                 s.switched_s,
+                s.switched_by,
             )
             for s in seqs
         ]
@@ -131,6 +139,8 @@ class ServingReport:
             mean_accepted=statistics.fmean(acc) if acc else 0.0,
             alpha=acceptance(recs),
             switched_to_full=sum(r.switched_s is not None for r in recs),
+            moved_by_guard=sum(r.switched_by == "guard" for r in recs),
+            max_concurrent=scheduler.peak_rows,
             link_busy_s=busy,
             link_utilization=busy / makespan,
             link_max_concurrent=link.max_active if link is not None else 0,
@@ -139,7 +149,8 @@ class ServingReport:
             peak_resident_bytes=blocks.peak,
             budget_bytes=blocks.budget,
             split=split,
-            served_policy=cfg.policy,
+            # a VeriCache engine that admitted every row on full KV (the capacity model predicted a loss) served full KV
+            served_policy="full" if all(s.full_kv and s.switched_s is None for s in seqs) else cfg.policy,
         )
 
     def outputs(self) -> dict[str, list[int]]:

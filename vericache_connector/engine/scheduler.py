@@ -10,14 +10,18 @@
              across rows and the link carries one reload at a time). Emitted tokens keep their exact KV
              resident.
 
-Rows join as soon as their blocks (and, for VeriCache, their reloads) fit, and leave when done
-(continuous batching). A step is either one prompt's prefill or one packed forward over every running
+A VeriCache engine also serves rows on full KV: rows admitted while `fallback` is set (the capacity model or the
+guard says VeriCache loses here, ServingEngine._decide), rows moved there in flight (move_rows: lowest acceptance
+first, each once its whole full KV fits, VeriCache rows paused to make room where that alone lets it fit), and rows
+switched at the trace's tail (switch_to_full). Rows join as soon as their blocks (and, for VeriCache, their reloads)
+fit, and leave when done (continuous batching). A step is either one prompt's prefill or one packed forward over every running
 row (model_runner.py). A prefill holds one layer of the prompt's full KV at a time (the rest goes to the
 host tier or the compressor as soon as each layer is done); a full-KV prefill writes into its own blocks.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 
@@ -30,6 +34,7 @@ from .host_tier import Link
 from .model_runner import Batch, Prefilled, Segment
 from .planner import AcceptanceEstimate, ReservationRings, choose_horizon, reload_steps
 from .sequence import Phase, Sequence
+from .sizes import RowSizes
 
 
 class Scheduler:
@@ -40,21 +45,21 @@ class Scheduler:
         self,
         cfg: ServingConfig,
         blocks: BlockManager,
-        full_bytes_per_token: int,
+        sizes: RowSizes,
         max_context: int,
-        draft_lens=lambda seq: (0, seq.prompt_len),
         eos: tuple[int, ...] = (),
         link: Link | None = None,
-        complement: bool = False,
     ):
-        self.cfg, self.blocks, self.link, self.complement = cfg, blocks, link, complement
-        self.full_bytes_per_token, self.max_context = full_bytes_per_token, max_context
-        self.draft_lens, self.eos = draft_lens, eos  # seq -> (packed prompt entries, draft-pool prompt entries)
-        self.num_layers = next(iter(blocks.pools.values())).num_layers
-        self.arrivals: collections.deque[Sequence] = collections.deque()  # not arrived yet (by arrival time)
+        self.cfg, self.blocks, self.sizes, self.link = cfg, blocks, sizes, link
+        self.complement, self.max_context, self.eos = sizes.complement, max_context, eos
+        self.num_layers = sizes.num_layers
+        self.arrivals: list[Sequence] = []  # not arrived yet, by arrival time
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.paused: list[Sequence] = []  # VeriCache rows whose compressed KV was freed: they resume on full KV
+        self.fallback = False  # admit rows on full KV (where theirs fits the budget): VeriCache loses here
+        self.peak_rows = 0  # most rows admitted and not finished at once
         self.step = 0
         self.step_s = 0.1  # EMA of a decode step's compute seconds (reload planning)
         self.draft_s: float | None = None  # EMAs of steps without / with a verifying row (the horizon's costs)
@@ -65,34 +70,19 @@ class Scheduler:
 
     @property
     def finished(self) -> bool:
-        return not (self.arrivals or self.waiting or self.prefilling or self.running)
+        return not (self.arrivals or self.waiting or self.prefilling or self.running or self.paused)
+
+    def add(self, seq: Sequence) -> None:
+        """A request to serve, from its arrival time on (Sequence.arrival_s; ServingEngine.check checked it)."""
+        bisect.insort(self.arrivals, seq, key=lambda s: s.arrival_s)
 
     @property
     def vericache(self) -> bool:
         return self.cfg.policy == "vericache"
 
-    # ---- sizes ----
-    def resident_blocks(self, seq: Sequence) -> dict[str, int]:
-        """Blocks a sequence holds for its whole life (what its admission must fit): a quantized prompt's packed
-        blocks, the draft pool's (the compressed prompt or its float part, emitted tokens, a round's drafts), and
-        for VeriCache the full pool's (the prompt's last partial block and the emitted tokens)."""
-        bs, new = self.cfg.block_size, seq.request.max_new_tokens
-        room = new + self.cfg.k_max + 2  # emitted tokens + one round's drafts + the bonus
-        if self.cfg.policy == "full":
-            return {"full": math.ceil((seq.prompt_len + new + 1) / bs)}
-        packed, dense = self.draft_lens(seq)
-        out = {"packed": math.ceil(packed / bs)} if packed else {}
-        if self.cfg.policy == "lossy":
-            return {**out, "draft": math.ceil((dense + new + 1) / bs)}
-        tail = seq.prompt_len % bs  # the prompt's last partial block stays resident
-        if self.complement:  # kept blocks; drafts and verifications share the tail's blocks (emitted tokens)
-            return {"draft": dense // bs, "full": math.ceil((tail + room) / bs)}
-        return {**out, "draft": math.ceil((dense + room) / bs), "full": math.ceil((tail + room) / bs)}
-
+    # ---- sizes (sizes.py: the formula the capacity model shares) ----
     def staging_blocks(self, seq: Sequence) -> int:
-        """Blocks a reload fills: the prompt's whole blocks, less the kept ones (complement reload)."""
-        kept = self.draft_lens(seq)[1] if self.complement else 0
-        return (seq.prompt_len - kept) // self.cfg.block_size
+        return self.sizes.staging_blocks(seq)
 
     def reload_seconds(self, seq: Sequence) -> float:
         nbytes = self.blocks.block_cost("full", self.staging_blocks(seq))
@@ -108,54 +98,41 @@ class Scheduler:
         return min(self.num_layers, ahead + 2)
 
     def staging_bytes(self, seq: Sequence, ring: int | None = None) -> int:
-        return self.blocks.block_cost("full", self.staging_blocks(seq), ring or self.ring_layers(seq))
+        return self.sizes.staging_bytes(seq, ring or self.ring_layers(seq))
 
-    def prefill_bytes(self, seq: Sequence) -> int:
-        """A prefill's transient KV: one layer of the prompt (full-KV prefills write into their own blocks)."""
-        return 0 if self.cfg.policy == "full" else seq.prompt_len * self.full_bytes_per_token // self.num_layers
-
-    def transient_bytes(self, seq: Sequence) -> int:
-        """Besides its blocks, what a row needs at times: its prefill's layer, later (VeriCache) a staging ring."""
-        return max(self.prefill_bytes(seq), self.staging_bytes(seq, ring=2) if self.vericache else 0)
-
-    def check_fits(self, seq: Sequence) -> None:
-        """ValueError for a request that could never be admitted: more device KV than the whole budget."""
-        need = self.blocks.cost(self.resident_blocks(seq)) + self.transient_bytes(seq)
-        if self.blocks.budget is not None and need > self.blocks.budget:
-            raise ValueError(
-                f"request {seq.request_id!r} needs {need} bytes of device KV under policy "
-                f"{self.cfg.policy!r}, more than the whole budget of {self.blocks.budget}"
-            )
+    def fits_full(self, seq: Sequence) -> bool:
+        """Could the row ever be served on full KV (its whole full KV within the budget)?"""
+        return self.blocks.budget is None or self.sizes.need(seq, True) <= self.blocks.budget
 
     # ---- admission ----
     def admit(self) -> None:
         """Admit waiting requests in arrival order while their blocks, their prefill, the staging already
-        planned and (VeriCache) their reloads fit."""
+        planned and (VeriCache) their reloads fit; on full KV under the full policy or while `fallback` is set."""
         while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_rows:
             seq = self.waiting[0]
-            need = self.resident_blocks(seq)
-            extra = self.blocks.cost(need) + self.transient_bytes(seq)
+            full = self.cfg.policy == "full" or (self.vericache and self.fallback and self.fits_full(seq))
+            need = self.sizes.resident_blocks(seq, full)
+            extra = self.sizes.cost(need) + self.sizes.transient_bytes(seq, full)
             if self.vericache:  # and still room for any row's smallest staging ring, beyond what is planned
-                extra = (
-                    self.blocks.cost(need)
-                    + max([self.transient_bytes(seq)] + [self.staging_bytes(s, ring=2) for s in self.running])
-                    + self.rings.peak_memory(self.step)
-                )
-                if not self._link_admits(seq):
+                rings = [self.staging_bytes(s, ring=2) for s in self.running if not s.full_kv]
+                extra = self.sizes.cost(need) + max([self.sizes.transient_bytes(seq, full)] + rings)
+                extra += self.rings.peak_memory(self.step)
+                if not full and not self._link_admits(seq):
                     return
             if not self.blocks.fits(extra):
                 return
             self.waiting.popleft()
             seq.blocks = {pool: self.blocks.allocate(pool, n) for pool, n in need.items()}
-            seq.phase = Phase.PREFILL
+            seq.phase, seq.full_kv = Phase.PREFILL, full
             self.prefilling.append(seq)
+        self.peak_rows = max(self.peak_rows, len(self.running) + len(self.prefilling))
 
     def _link_admits(self, seq: Sequence) -> bool:
         """Would the link keep up with one more row's reloads at the longest horizon (one reload of every
         row per k_max steps)?"""
         if self.cfg.link_bytes_per_s is None or not (self.running or self.prefilling):
             return True
-        rows = self.running + list(self.prefilling) + [seq]
+        rows = [s for s in self.running + list(self.prefilling) if not s.full_kv] + [seq]
         return sum(self.reload_seconds(s) for s in rows) <= self.cfg.k_max * self.step_s
 
     # ---- VeriCache rounds ----
@@ -194,7 +171,8 @@ class Scheduler:
         free = (1 << 62) if self.blocks.budget is None else self.blocks.budget - self.blocks.resident
         earliest = self.step + max(0, seq.horizon - len(seq.drafts))
         want = self.ring_layers(seq)
-        for ring in sorted({want, max(2, want // 2), 2}, reverse=True):
+        rings = [self.num_layers] if seq.moving else sorted({want, max(2, want // 2), 2}, reverse=True)
+        for ring in rings:
             ring = min(ring, self.num_layers)
             lead = math.ceil(link_steps * ring / self.num_layers)  # steps to stage the ring before the forward
             t = self.rings.place(
@@ -228,7 +206,7 @@ class Scheduler:
         head = in_flight[:1]
         for seq in self.running:
             pos = seq.prompt_len + len(seq.output) - 1  # pending's true position
-            if self.cfg.policy == "full" or seq.full_kv:
+            if seq.full_kv:
                 out.append(Segment(seq, "full", [seq.pending], [pos], seq.blocks["full"], seq.full_len, "decode"))
             elif self.cfg.policy == "lossy":
                 seg = Segment(seq, "draft", [seq.pending], [pos], seq.blocks["draft"], seq.draft_len, "decode")
@@ -244,7 +222,7 @@ class Scheduler:
                         seq, "full", toks, list(range(pos, pos + len(toks))), view, seq.full_len, "verify", seq.reload
                     )
                 )
-            elif len(seq.drafts) < self.draft_cap(seq):
+            elif "draft" in seq.blocks and len(seq.drafts) < self.draft_cap(seq):
                 last = seq.drafts[-1] if seq.drafts else seq.pending
                 toks = [last] + seq.proposal[: max(0, self.draft_cap(seq) - len(seq.drafts) - 1)]
                 view = seq.blocks["draft"] + (seq.blocks["full"] if self.complement else [])
@@ -280,15 +258,17 @@ class Scheduler:
     def schedule(self, now: float) -> Batch:
         """What the next step runs: the oldest admitted prompt's prefill, else one packed forward over every
         running row (after planning rounds and putting the reloads that are due on the link)."""
-        while self.arrivals and self.arrivals[0].request.arrival_s <= now:
-            self.waiting.append(self.arrivals.popleft())
+        while self.arrivals and self.arrivals[0].arrival_s <= now:
+            self.waiting.append(self.arrivals.pop(0))
         self.admit()
         if self.prefilling:
             seq = self.prefilling.popleft()
             seq.admitted_s = now
-            self.blocks.hold(self.prefill_bytes(seq))  # its layer of full KV, until postprocess
+            self.blocks.hold(self.sizes.prefill_bytes(seq, seq.full_kv))  # its layer of full KV, until postprocess
             return Batch(prefill=seq)
         if self.link is not None:
+            if self.fallback:
+                self.move_rows()
             for seq in self.running:
                 if seq.verify_step is None and seq.phase in (Phase.DRAFTING, Phase.RELOADING):
                     self.plan(seq)
@@ -323,7 +303,7 @@ class Scheduler:
                 seq.draft_len += len(seg.tokens)
                 self.propose(seq)
             elif seg.kind == "decode":
-                if self.cfg.policy == "full" or seq.full_kv:
+                if seq.full_kv:
                     seq.full_len += 1
                 else:
                     seq.draft_len += 1
@@ -331,9 +311,10 @@ class Scheduler:
                 emitted.append((seq, self.emit(seq, [r.token], now)))
             else:  # verify: pending + the accepted drafts joined both caches (exact KV); the token is pending
                 n, k = r.accepted, len(seq.drafts)
-                self.estimates.setdefault(seq.request_id, AcceptanceEstimate(self.cfg.alpha_prior)).update(n, k)
-                seq.accepted.append(n)
-                seq.drafted.append(k)
+                if k:  # (a paused row resuming on full KV verifies no drafts: a decode step, not a round)
+                    self.estimates.setdefault(seq.request_id, AcceptanceEstimate(self.cfg.alpha_prior)).update(n, k)
+                    seq.accepted.append(n)
+                    seq.drafted.append(k)
                 seq.full_len, seq.draft_len = seq.full_len + n + 1, seq.draft_len - k + n + 1
                 new = seq.drafts[:n] + [r.token]
                 seq.drafts, seq.draft_probs, seq.pending = [], [], r.token
@@ -351,18 +332,22 @@ class Scheduler:
                     self.propose(seq)
         return emitted
 
+    # ---- rows to full KV ----
     def switch_to_full(self, seq: Sequence) -> bool:
         """At a verification (its prompt just reloaded into staging blocks, every layer of them): should the row
-        keep that full KV and decode on it from now on? At the trace's tail only (nothing waiting or still to
-        arrive, so the budget has no other use), where the rest of its whole full KV fits the budget, and the row
-        with the lowest acceptance first (it gains the most: fewer tokens per verification)."""
-        if not (self.cfg.tail_full and seq.staging) or self.complement:
+        keep that full KV and decode on it from now on? A row move_rows picked does (its staging holds every
+        layer already). Otherwise at the trace's tail only (nothing waiting, paused or still to arrive, so the
+        budget has no other use), where the rest of its whole full KV fits the budget, and the row with the lowest
+        acceptance first (it gains the most: fewer tokens per verification)."""
+        if not seq.staging or self.complement:
             return False
-        if self.waiting or self.arrivals or self.prefilling:
-            return False
-        extra = self.blocks.block_cost("full", len(seq.staging)) - self.blocks.block_cost(
+        extra = self.sizes.block_cost("full", len(seq.staging)) - self.sizes.block_cost(
             "full", len(seq.staging), seq.staging_ring
         )
+        if seq.moving:
+            return self.blocks.fits(extra)
+        if not self.cfg.tail_full or self.waiting or self.arrivals or self.prefilling or self.paused:
+            return False
         if not self.blocks.fits(extra):
             return False
         others = [s.alpha for s in self.running if s is not seq and not s.full_kv and s.alpha is not None]
@@ -376,9 +361,67 @@ class Scheduler:
                 self.blocks.free(pool, seq.blocks.pop(pool))
         seq.blocks["full"] = seq.staging + seq.blocks["full"]
         seq.staging, seq.reload, seq.host, seq.full_kv, seq.switched_s = [], None, None, True, now
+        seq.switched_by, seq.moving = "guard" if seq.moving else "tail", False
         self.plans.pop(seq.request_id, None)
         self.rings.release(seq.request_id)
         seq.phase = Phase.DECODING
+
+    def move_rows(self) -> None:
+        """`fallback` while VeriCache rows run (the guard measured that they lose): one row at a time goes on on
+        its full KV, lowest acceptance first, once that fits: a running row verifies what it drafted at once, over
+        a reload that stages every layer, and keeps them; a paused row reloads its prompt and does the same with no
+        drafts. Where a row's full KV does not fit, VeriCache rows of a higher acceptance are paused to make room
+        (their compressed KV freed; their host copy and emitted tokens' exact KV kept) if that makes it fit.
+        Not with a complement reload (the kept positions live only in the draft pool)."""
+        if self.complement or any(s.moving for s in self.running):
+            return
+        rows = sorted([s for s in self.running if not s.full_kv] + self.paused, key=self._alpha)
+        for seq in rows:
+            if seq.reload is not None or not self.fits_full(seq):
+                continue  # (a row mid-reload is looked at again next step)
+            need = self.sizes.staging_bytes(seq) + self.rings.peak_memory(self.step)
+            pause = []
+            for other in reversed(rows):  # highest acceptance first
+                if self.blocks.fits(need - sum(self._compressed_bytes(o) for o in pause)):
+                    break
+                if other is not seq and other in self.running and other.reload is None:
+                    pause.append(other)
+            if not self.blocks.fits(need - sum(self._compressed_bytes(o) for o in pause)):
+                continue
+            for other in pause:
+                self.pause(other)
+            self.start_move(seq)
+            return
+
+    def _alpha(self, seq: Sequence) -> float:
+        return self.cfg.alpha_prior if seq.alpha is None else seq.alpha
+
+    def _compressed_bytes(self, seq: Sequence) -> int:
+        return self.sizes.cost({p: len(seq.blocks[p]) for p in ("draft", "packed") if p in seq.blocks})
+
+    def pause(self, seq: Sequence) -> None:
+        """A VeriCache row leaves the batch: its compressed KV and drafts go; it resumes on full KV (move_rows)."""
+        for pool in ("draft", "packed"):
+            if pool in seq.blocks:
+                self.blocks.free(pool, seq.blocks.pop(pool))
+        seq.drafts, seq.draft_probs, seq.proposal, seq.draft_len, seq.packed_len = [], [], [], 0, 0
+        seq.verify_step = None
+        self.plans.pop(seq.request_id, None)
+        self.rings.release(seq.request_id)
+        self.running.remove(seq)
+        self.paused.append(seq)
+        seq.phase = Phase.PAUSED
+
+    def start_move(self, seq: Sequence) -> None:
+        """Reload the row's prompt into staging blocks charged for every layer, and verify at once."""
+        self.plans.pop(seq.request_id, None)
+        self.rings.release(seq.request_id)
+        if seq in self.paused:
+            self.paused.remove(seq)
+            self.running.append(seq)
+        seq.moving, seq.horizon = True, len(seq.drafts)
+        if self.start_reload(seq, ring=self.num_layers):
+            seq.verify_step = self.step
 
     def propose(self, seq: Sequence) -> None:
         """The n-gram proposals the row's next draft step feeds (ServingConfig.ngram; none when off)."""
@@ -387,7 +430,7 @@ class Scheduler:
             seq.proposal = seq.ngram.propose(seq.drafts, room)
 
     def _prefilled(self, seq: Sequence, r: Prefilled, now: float) -> tuple[Sequence, int]:
-        self.blocks.release(self.prefill_bytes(seq))
+        self.blocks.release(self.sizes.prefill_bytes(seq, seq.full_kv))
         seq.full_len, seq.draft_len, seq.packed_len, seq.pending = seq.prompt_len, r.draft_len, r.packed_len, r.first
         if r.host is not None:
             seq.host, seq.stored_prompt = r.host, r.host.stored
@@ -395,8 +438,9 @@ class Scheduler:
         n = self.emit(seq, [r.first], now)
         if seq.phase != Phase.FINISHED:
             self.running.append(seq)
-            seq.phase = Phase.DRAFTING if self.vericache else Phase.DECODING
-            if self.vericache:
+            drafting = self.vericache and not seq.full_kv
+            seq.phase = Phase.DRAFTING if drafting else Phase.DECODING
+            if drafting:
                 if self.cfg.ngram:
                     seq.ngram = NgramIndex(
                         seq.request.prompt_ids + seq.output, self.cfg.ngram_match, self.cfg.ngram_match + 3
@@ -420,19 +464,20 @@ class Scheduler:
         return len(seq.output) - before
 
     # ---- reloads ----
-    def start_reload(self, seq: Sequence, ring: int | None = None) -> None:
+    def start_reload(self, seq: Sequence, ring: int | None = None) -> bool:
         """Put the row's prompt KV on the link into a staging ring (not now if the budget is held by a prefill:
-        the next step tries again)."""
+        the next step tries again). -> whether it went on the link."""
         if ring is None:
             ring = self.plans[seq.request_id][2] if seq.request_id in self.plans else self.ring_layers(seq)
         n = self.staging_blocks(seq)
         try:
             seq.staging = self.blocks.allocate("full", n, ring) if n else []
         except BudgetExceeded:
-            return
+            return False
         seq.staging_ring = ring
         seq.reload = self.link.submit(seq.host, self.blocks.pools["full"], seq.staging, ring)
         seq.phase = Phase.RELOADING
+        return True
 
     def reload_to_wait_for(self):
         """Nothing can compute: the reload in flight, else the next planned row's started now on the smallest
@@ -446,7 +491,7 @@ class Scheduler:
                 key=lambda s: (s.verify_step is None, s.verify_step or 0),
             )
             for seq in waiting[:1]:
-                self.start_reload(seq, ring=2)
+                self.start_reload(seq, ring=self.num_layers if seq.moving else 2)
             inflight = [s.reload for s in self.running if s.reload is not None and not s.reload.done]
         return inflight[0] if inflight else None
 

@@ -9,6 +9,8 @@ A Sequence moves through phases; a VeriCache row cycles DRAFTING -> (RELOADING) 
   RELOADING   VeriCache: drafted its horizon; its full prompt KV is coming over the host link (it keeps
               drafting meanwhile, up to k_max)
   VERIFYING   VeriCache: in this step's verify forward
+  PAUSED      VeriCache, losing to full KV: its compressed KV freed to make room for a row moving to full KV; it
+              resumes on full KV itself (its prompt reloaded from the host tier; Scheduler.move_rows)
   FINISHED    max_new_tokens emitted or EOS
 
 Token bookkeeping (VeriCache, as in speculative.py): `pending` is the newest emitted token, whose KV is
@@ -71,6 +73,7 @@ class Phase(enum.Enum):
     DRAFTING = "drafting"
     RELOADING = "reloading"
     VERIFYING = "verifying"
+    PAUSED = "paused"
     FINISHED = "finished"
 
 
@@ -103,8 +106,11 @@ class Sequence:
     ngram: object | None = None  # draft.ngram.NgramIndex over prompt + output (ServingConfig.ngram)
     proposal: list[int] = field(default_factory=list)  # n-gram tokens the next draft step feeds
     ngram_drafted: int = 0  # drafts that came from the n-gram source
-    full_kv: bool = False  # VeriCache row now decoding on its whole full KV (Scheduler.switch_to_full)
-    switched_s: float | None = None
+    full_kv: bool = False  # decoding on its whole full KV: admitted so, or switched there (Scheduler.keep_full)
+    switched_s: float | None = None  # when a VeriCache row went on on its full KV
+    switched_by: str | None = None  # "tail" (the trace's tail, Scheduler.switch_to_full) or "guard" (move_rows)
+    moving: bool = False  # move_rows picked it: its next verification keeps its full KV
+    arrival_s: float = -1.0  # when it arrived, engine clock (the request's arrival_s, or when it was added)
 
     @property
     def request_id(self) -> str:

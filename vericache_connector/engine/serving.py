@@ -1,16 +1,23 @@
 """ServingEngine: requests arrive over time, are admitted under a device KV budget, decode in one continuous
-batch, finish and leave. A step is nano-vllm's: the scheduler decides (scheduler.py: admission, the reload
-plans, what runs), the engine runs it (model_runner.py computes, host_tier.py moves full KV; sampling and
-the accept rule of model/sampling.py), the scheduler applies the results (postprocess).
+batch, finish and leave. nano-vllm's shape: add_request() queues a request, step() runs one step (the scheduler
+decides: scheduler.py, admission, the reload plans, what runs; the engine runs it: model_runner.py computes,
+host_tier.py moves full KV, sampling and the accept rule of model/sampling.py; the scheduler applies the results:
+postprocess), has_unfinished() says whether any request is left; run(trace) is a loop over them.
 
     engine = ServingEngine(model, ServingConfig(policy="vericache", budget_bytes=..., link_bytes_per_s=...))
     report = engine.run([Request("a", prompt_ids, 128, arrival_s=0.0), ...])
     report.tokens_per_s, report.outputs()
 
+    engine.add_request(Request("b", prompt_ids, 64))        # a server's loop: add requests as they come
+    while engine.has_unfinished():
+        for request_id, tokens in engine.step(): ...         # the tokens each request emitted this step
+
 Every policy's greedy output is each request's own single-request full-KV greedy output, except "lossy"
 (shown for reference): VeriCache verifies every draft on the full KV before it is emitted. Where a round
 happens: a VeriCache row drafts one token per step (a "draft" segment) until its planned verify step, whose
-"verify" segment runs [pending, d_1..d_k] over the reloaded full KV in the same packed forward.
+"verify" segment runs [pending, d_1..d_k] over the reloaded full KV in the same packed forward. Where VeriCache
+does not pay, rows decode on full KV instead (_decide: the capacity model before rows run, the guard while they
+do).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from .prompt_kv import PromptPlacer, gather
 from .report import ServingReport, TimeSplit
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .sizes import RowSizes
 
 STALL_LIMIT_S = 5.0  # idle with nothing to wait for this long: raise instead of spinning
 RELOADS_STAGED = 3  # staging areas the full pool has room for at once (the budget decides how many are used)
@@ -63,6 +71,30 @@ class ServingEngine:
             None if inv_freq is None else inv_freq.float().cpu(),
             prefill_store,
         )
+        self.sizes = RowSizes(
+            cfg, self._block_bytes(), mc.num_layers, self.full_bytes_per_token, self.draft_lens, self.complement
+        )
+        self.acceptance = None  # acceptance(seq, k) -> accepted count: replayed acceptance (see run)
+        self._reset()
+
+    def _block_bytes(self) -> dict[str, int]:
+        """Bytes of one block, every layer, of each pool (what KVPool / PackedPool.block_bytes will be)."""
+        mc, bs = self.model.cfg, self.cfg.block_size
+        out = {
+            name: mc.kv_bytes_per_token(getattr(torch, dtype).itemsize) * bs
+            for name, dtype in (("full", self.full_dtype), ("draft", self.cfg.draft_dtype))
+        }
+        if self.complement:
+            out["draft"] = out["full"]
+        if self.packed is not None:
+            out["packed"] = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs)
+        return out
+
+    def _reset(self) -> None:
+        """No requests, nothing allocated: the next step (or run) starts serving afresh."""
+        self.seqs: list[Sequence] = []
+        self.scheduler = self.pools = self.link = self.runner = self.prediction = None
+        self.split, self.reload_failures, self._stalled_s, self.t0 = TimeSplit(), 0, 0.0, None
 
     def _complement(self) -> bool:
         """Reload only what the draft pool lacks (token dropping, the kept positions held in the model's dtype)?"""
@@ -130,7 +162,8 @@ class ServingEngine:
     def check(self, trace: list[Request]) -> None:
         """ValueError naming the request and the value, before anything is allocated for the trace."""
         mc = self.model.cfg
-        if len({r.request_id for r in trace}) != len(trace):
+        ids = [r.request_id for r in trace] + [s.request_id for s in self.seqs]
+        if len(set(ids)) != len(ids):
             raise ValueError("request ids in a trace must be unique")
         for r in trace:
             bad = next((t for t in r.prompt_ids if t >= mc.vocab_size), None)
@@ -143,6 +176,12 @@ class ServingEngine:
                     f"request {r.request_id!r}: {len(r.prompt_ids)} prompt + {r.max_new_tokens} new tokens exceed "
                     f"the model's context of {mc.max_position}"
                 )
+            need, budget = self.sizes.need(Sequence(r), self.cfg.policy == "full"), self.cfg.budget_bytes
+            if budget is not None and need > budget:
+                raise ValueError(
+                    f"request {r.request_id!r} needs {need} bytes of device KV under policy "
+                    f"{self.cfg.policy!r}, more than the whole budget of {budget}"
+                )
 
     def _pools(self, seqs: list[Sequence]) -> dict[str, KVPool]:
         """The pools' physical blocks: as many as the budget can pay for (all of the trace's demand without a
@@ -152,7 +191,7 @@ class ServingEngine:
         shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)
         demand = sum(
             self.full_bytes_per_token * (s.prompt_len + s.request.max_new_tokens + self.cfg.k_max + bs) for s in seqs
-        )
+        )  # (later requests that need more: the pools grow, BlockManager.allocate)
         cap = demand if self.cfg.budget_bytes is None else self.cfg.budget_bytes
         dtypes = {"full": self.full_dtype, "draft": self.cfg.draft_dtype}
         names = {"full": ["full"], "lossy": ["draft"], "vericache": ["draft", "full"]}[self.cfg.policy]
@@ -167,7 +206,7 @@ class ServingEngine:
             per_block = mc.kv_bytes_per_token(getattr(torch, dtypes[name]).itemsize) * bs
             blocks = cap // per_block + len(seqs) + 2
             if self.cfg.policy == "vericache" and name == "full":
-                blocks += RELOADS_STAGED * max(s.prompt_len // bs for s in seqs)
+                blocks += RELOADS_STAGED * max((s.prompt_len // bs for s in seqs), default=0)
             if name == "draft" and self.complement:  # one pool: a verification attends kept + reloaded in one pass
                 continue
             pools[name] = KVPool(name, *shape, dtypes[name], blocks, dev)
@@ -175,57 +214,102 @@ class ServingEngine:
             pools["draft"] = pools["full"]
         return pools
 
+    # ---- the engine's API: add_request, step, has_unfinished (run is a loop over them) ----
+    def add_request(self, request: Request) -> None:
+        """Serve `request` from its arrival_s on (seconds on the engine's clock, which starts at the first step; a
+        time already past means now). ValueError naming the value for a request that could never be served."""
+        self.check([request])
+        seq = Sequence(request, generator=torch.Generator().manual_seed(request.seed))
+        seq.arrival_s = max(request.arrival_s, self.now())
+        self.seqs.append(seq)
+        if self.scheduler is not None:
+            self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return any(s.finished_s is None for s in self.seqs)
+
     @torch.inference_mode()
+    def step(self) -> list[tuple[str, list[int]]]:
+        """One step: schedule -> run -> postprocess. -> (request id, the tokens it emitted) per request that
+        emitted any."""
+        if self.scheduler is None:
+            self._start()
+        self._decide()
+        batch = self.scheduler.schedule(self.now())
+        if batch.empty:
+            self._idle()
+            return []
+        if batch.prefill is not None:
+            t = time.perf_counter()
+            result, compute_s = self._prefill(batch.prefill), 0.0
+            self.split.prefill_s += time.perf_counter() - t
+        else:
+            got = self._packed_step(batch)
+            if got is None:
+                return []
+            result, compute_s = got
+        emitted = self.scheduler.postprocess(batch, result, self.now(), compute_s)
+        return [(seq.request_id, seq.output[len(seq.output) - n :]) for seq, n in emitted if n]
+
     def run(self, trace: list[Request], on_tokens=None, acceptance=None) -> ServingReport:
-        """Serve the trace in real time (arrivals by the wall clock); on_tokens(n) after each emission;
-        acceptance(seq, k) -> accepted count replays recorded acceptance instead of comparing tokens (the GPU
-        script's random-weight model), outputs then are not meaningful."""
-        self.check(trace)
-        if self.cfg.policy == "vericache" and self.cfg.hardware is not None:
-            pred = self.predict(trace)
-            if pred.speedup <= 1 + self.cfg.fallback_margin:  # offloading does not pay here: serve full KV
-                cfg = dataclasses.replace(self.cfg, policy="full", hardware=None)
-                rep = ServingEngine(self.model, cfg, self.prefill_store).run(trace, on_tokens, acceptance)
-                rep.policy, rep.served_policy = "vericache", "full"
-                rep.prediction = {**dataclasses.asdict(pred), "speedup": pred.speedup}
-                return rep
-        seqs = [
-            Sequence(r, generator=torch.Generator().manual_seed(r.seed))
-            for r in sorted(trace, key=lambda r: r.arrival_s)
-        ]
+        """Serve the trace in real time (arrivals by the wall clock, from now) and report; on_tokens(n) after each
+        emission; acceptance(seq, k) -> accepted count replays recorded acceptance instead of comparing tokens (the
+        GPU script's random-weight model), outputs then are not meaningful."""
+        self._reset()
+        self.acceptance = acceptance
+        for r in sorted(trace, key=lambda r: r.arrival_s):
+            self.add_request(r)  # each checked; nothing is allocated before the first step
+        try:
+            while self.has_unfinished():
+                for _, tokens in self.step():
+                    if on_tokens is not None:
+                        on_tokens(len(tokens))
+        finally:
+            self.close()
+        return self.report()
+
+    def report(self) -> ServingReport:
+        """What the finished requests measured (ServingReport), with the capacity model's prediction if it made one."""
+        seqs = [s for s in self.seqs if s.finished_s is not None]
+        if not seqs:
+            raise ValueError("no request has finished yet: nothing to report")
+        rep = ServingReport.build(
+            self.cfg, seqs, self.now(), self.split, self.scheduler, self.link, self.reload_failures
+        )
+        if self.prediction is not None:
+            rep.prediction = {**dataclasses.asdict(self.prediction), "speedup": self.prediction.speedup}
+        return rep
+
+    def close(self) -> None:
+        """Stop the link's copy thread (a later reload starts it again)."""
+        if self.link is not None:
+            self.link.close()
+
+    def _start(self) -> None:
+        """The pools (sized for the requests known now), the budget, the link and the scheduler; the clock starts."""
         cfg = self.cfg
-        self.pools = self._pools(seqs)
+        self.pools = self._pools(self.seqs)
         blocks = BlockManager(self.pools, cfg.budget_bytes)
         self.link = Link(cfg.link_bytes_per_s, self.model.device) if cfg.policy == "vericache" else None
-        self.scheduler = Scheduler(
-            cfg,
-            blocks,
-            self.full_bytes_per_token,
-            self.model.cfg.max_position,
-            self.draft_lens,
-            self.model.cfg.eos_token_ids,
-            self.link,
-            self.complement,
-        )
-        for s in seqs:
-            self.scheduler.check_fits(s)
-        self.scheduler.arrivals.extend(seqs)
+        mc = self.model.cfg
+        self.scheduler = Scheduler(cfg, blocks, self.sizes, mc.max_position, mc.eos_token_ids, self.link)
+        for s in self.seqs:
+            self.scheduler.add(s)
         self.runner = ModelRunner(self.model, self.pools, cfg.backend)
-        self.on_tokens, self.acceptance = on_tokens, acceptance
-        self.split, self.reload_failures, self._stalled_s = TimeSplit(), 0, 0.0
         self.t0 = time.perf_counter()
-        try:
-            while not self.scheduler.finished:
-                self.step()
-        finally:
-            if self.link is not None:
-                self.link.close()
-        makespan = time.perf_counter() - self.t0
-        rep = ServingReport.build(cfg, seqs, makespan, self.split, blocks, self.link, self.reload_failures)
-        if cfg.hardware is not None:
-            pred = self.predict(trace)
-            rep.prediction = {**dataclasses.asdict(pred), "speedup": pred.speedup}
-        return rep
+
+    def _decide(self) -> None:
+        """Before VeriCache rows run (none admitted yet, requests waiting or to arrive), the planner: where the
+        capacity model (cfg.hardware) predicts that VeriCache does not beat full KV for them, they are admitted on
+        full KV (Scheduler.fallback)."""
+        s, cfg = self.scheduler, self.cfg
+        if cfg.policy != "vericache" or cfg.hardware is None or not cfg.planner:
+            return
+        if s.running or s.prefilling or s.paused or not (s.waiting or s.arrivals):
+            return
+        pred = self.predict([q.request for q in list(s.waiting) + s.arrivals])
+        s.fallback = pred.speedup <= 1 + cfg.fallback_margin
+        self.prediction = self.prediction or pred
 
     def predict(self, trace: list[Request]) -> capacity.Prediction:
         """The capacity model (engine/capacity.py) for this trace on cfg.hardware: full KV against VeriCache with
@@ -267,40 +351,23 @@ class ServingEngine:
         )
 
     def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def step(self) -> None:
-        """One step: schedule -> run -> postprocess."""
-        batch = self.scheduler.schedule(self.now())
-        if batch.empty:
-            return self._idle()
-        if batch.prefill is not None:
-            t = time.perf_counter()
-            result, compute_s = self._prefill(batch.prefill), 0.0
-            self.split.prefill_s += time.perf_counter() - t
-        else:
-            got = self._packed_step(batch)
-            if got is None:
-                return
-            result, compute_s = got
-        for _, n in self.scheduler.postprocess(batch, result, self.now(), compute_s):
-            if self.on_tokens is not None:
-                self.on_tokens(n)
+        """Seconds on the engine's clock (0 until the first step)."""
+        return 0.0 if self.t0 is None else time.perf_counter() - self.t0
 
     # ---- run: one prefill ----
     def _prefill(self, seq: Sequence) -> Prefilled:
         """The prompt's forward, layer by layer: full KV -> its own blocks (full), or -> the compressor and the
         draft pool (lossy, vericache) and the host tier + the resident tail (vericache)."""
-        policy, bs, pools = self.cfg.policy, self.cfg.block_size, self.pools
+        full_row, bs, pools = seq.full_kv, self.cfg.block_size, self.pools
         stored = seq.prompt_len // bs * bs
-        host = HostEntry([], [], stored, stored) if policy == "vericache" else None
+        host = HostEntry([], [], stored, stored) if self.cfg.policy == "vericache" and not full_row else None
         pin = self.model.device.type == "cuda"
         draft_len = packed_len = 0
         ids = seq.request.prompt_ids
 
         def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor, obs: torch.Tensor | None) -> None:
             nonlocal draft_len, packed_len
-            if policy == "full":
+            if full_row:
                 full = pools["full"]
                 full.write(layer, full.slots(seq.blocks["full"], 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
                 return
@@ -329,9 +396,9 @@ class ServingEngine:
                 tail = full.slots(seq.blocks["full"], 0, seq.prompt_len - stored)
                 full.write(layer, tail, k[:, stored:].transpose(0, 1), v[:, stored:].transpose(0, 1))
 
-        obs = self.cfg.obs_window if self.compressor is not None and self.compressor.needs_queries else 0
-        logits = self.runner.prefill(ids, obs, on_layer, self.prefill_store)
-        if self.complement:  # the draft view: [kept positions, the resident tail's blocks (shared)]
+        needs_queries = self.compressor is not None and self.compressor.needs_queries and not full_row
+        logits = self.runner.prefill(ids, self.cfg.obs_window if needs_queries else 0, on_layer, self.prefill_store)
+        if self.complement and not full_row:  # the draft view: [kept positions, the resident tail's blocks (shared)]
             draft_len += seq.prompt_len - stored
         first, _ = sample(logits[None], self.cfg.temperature, seq.generator)
         return Prefilled(int(first[0]), draft_len, host, packed_len)
@@ -374,7 +441,7 @@ class ServingEngine:
                 q = torch.stack(seq.draft_probs)[None] if self.cfg.temperature > 0 and k else None
                 nt, tt = verify(d, lg[None], self.cfg.temperature, q, seq.generator)
                 n, token = int(nt[0]), int(tt[0])
-            if not self.complement:  # complement: drafts and the verify share the tail's blocks
+            if not (self.complement or seq.moving):  # complement: drafts and the verify share the tail's blocks
                 self._keep_exact(seg, n + 1)
             out[id(seq)] = Sampled(token, accepted=n)
         return out, dt - wait
@@ -414,7 +481,7 @@ class ServingEngine:
             self.split.link_wait_s += time.perf_counter() - t
             return
         if sched.arrivals:
-            delay = sched.arrivals[0].request.arrival_s - self.now()
+            delay = sched.arrivals[0].arrival_s - self.now()
             if delay > 0:
                 time.sleep(min(delay, 0.5))
         else:  # nothing running can move, nothing in flight, nothing to arrive: the scheduler is stuck
@@ -424,7 +491,8 @@ class ServingEngine:
                 state = [(s.request_id, s.phase.value, len(s.drafts), s.horizon, s.verify_step) for s in sched.running]
                 raise RuntimeError(
                     f"serving is stuck (a scheduler bug): rows {state}, waiting "
-                    f"{[s.request_id for s in sched.waiting]}, {sched.blocks.resident} of "
+                    f"{[s.request_id for s in sched.waiting]}, paused {[s.request_id for s in sched.paused]}, "
+                    f"{sched.blocks.resident} of "
                     f"{sched.blocks.budget} bytes in use"
                 )
         self.split.idle_s += time.perf_counter() - t
