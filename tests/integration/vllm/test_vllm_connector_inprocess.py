@@ -22,6 +22,7 @@ from vericache_connector.integration.vllm.config import PROPOSER_CLASS  # noqa: 
 from vericache_connector.integration.vllm.handoff import Deferred  # noqa: E402
 from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
+from vericache_connector.integration.vllm.stats import VeriCacheStats  # noqa: E402
 
 from stores import break_manifest, closed_port, corrupt_full_chunk, drop_memory_store, random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
@@ -179,6 +180,21 @@ def test_requests_sharing_a_stored_prefix_load_it_once(model_dir, store_url):
     assert so.num_scheduled_tokens[second.request_id] == 60 and so.num_scheduled_tokens[first.request_id] == 88
 
 
+def test_requests_decided_in_one_step_share_the_link_and_the_cpu(model_dir, store_url):
+    """Two stored documents asked for in the same step, nothing measured yet: the first loads, the second is
+    computed (the first's load is on the link queue already when the second is decided)."""
+    other = [20_000 + t for t in range(len(PROMPT))]
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    asyncio.run(_seed(store_url, other[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    a, b = create_request(PROMPT), create_request(other)
+    sched.add_request(a)
+    sched.add_request(b)
+    so = sched.schedule()
+    assert [x.req_id for x in so.kv_connector_metadata.loads] == [a.request_id]
+    assert so.num_scheduled_tokens[b.request_id] == len(other)
+
+
 def test_a_slow_link_is_not_loaded_from(model_dir, store_url):
     """Measured: a link much slower than the prefill. A stored prefix is then computed, not loaded, and the
     decision is logged with its inputs."""
@@ -193,6 +209,53 @@ def test_a_slow_link_is_not_loaded_from(model_dir, store_url):
     so = sched.schedule()
     assert not so.kv_connector_metadata.loads and so.num_scheduled_tokens[req.request_id] == len(PROMPT)
     assert not so.kv_connector_metadata.saves  # the store holds it: computed, not written again
+
+
+def drained(get, until, timeout_s: float = 10.0) -> VeriCacheStats:
+    """The connector's stats as vLLM drains them (get: one drain), summed until `until` holds."""
+    got, deadline = VeriCacheStats(), time.monotonic() + timeout_s
+    while not until(got):
+        assert time.monotonic() < deadline, got.reduce()
+        got.aggregate(get() or VeriCacheStats())
+        time.sleep(0.02)
+    return got
+
+
+def test_lookups_hits_misses_and_decisions_reach_vllms_scheduler_stats(model_dir, store_url):
+    """vLLM's Scheduler adds the scheduler-side connector's counts to every step's SchedulerStats (what the API
+    server turns into /metrics): two requests on a stored prefix (the second waits for the first's load and is
+    asked again: one lookup each), a prompt the store never saw (a miss; its reason read off the store)."""
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(
+        create_vllm_config(model_dir, {"store": store_url, "compressor": "int8"}, prefix_caching=True)
+    )
+    first, second = create_request(PROMPT), create_request(PROMPT[:STORED] + list(range(7000, 7060)))
+    fresh = create_request(list(range(3000, 3600)))
+    for r in (first, second, fresh):
+        sched.add_request(r)
+    payloads = []
+
+    def step(**out) -> None:
+        so = sched.schedule()
+        running = [r for r in (first, second, fresh) if r.request_id in so.num_scheduled_tokens]
+        for eco in sched.update_from_output(so, runner_output(running, **out)).values():
+            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+                payloads.append(eco.scheduler_stats.kv_connector_stats)
+
+    step()  # first: a hit, loading; second: waits for it; fresh: a miss, computed
+    step(finished_recving={first.request_id})  # second asked again while the load ran
+    step()  # second: vLLM's own cache now
+
+    def drain():
+        step()
+        got = VeriCacheStats()
+        while payloads:
+            got.aggregate(VeriCacheStats(data=payloads.pop()))
+        return got
+
+    got = drained(drain, lambda s: s.get("misses", "full", "absent"))
+    assert got.get("lookups") == 3 and got.get("hits", "full") == 2 and got.get("misses", "full", "absent") == 1
+    assert got.get("load_decisions", "load") == 1 and not got.get("store_errors", "lookup")
 
 
 def test_store_down_is_a_miss(model_dir):
@@ -279,6 +342,10 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         store = conn.worker.client.store
         wait_for(lambda: conn.worker.client.call(store.has_compressed(PROMPT[:STORED], get_compressor("int8").spec)))
         assert conn.worker.client.call(store.lookup(PROMPT[:STORED])) == STORED
+        kv_bytes = STORED * LAYERS * 2 * HEADS * DIM * 4  # the prefix's KV, float32
+        got = drained(conn.get_kv_connector_stats, lambda s: s.get("saves"))  # what vLLM sends to /metrics
+        assert got.get("saves") == 1 and got.get("bytes_written", "full") >= kv_bytes
+        assert 0 < got.get("bytes_written", "compressed") < kv_bytes / 2  # int8
         # the handoff got the compressed copy it saved, for the proposer
         n, comp = conn.draft_handoff.find(PROMPT)
         assert n == STORED and comp.num_layers == LAYERS
@@ -286,10 +353,15 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         assert load(conn, "b", [4, 5, 6, 7]) == {"b"}
         assert not conn.get_block_ids_with_load_errors()
         assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
+        got = drained(conn.get_kv_connector_stats, lambda s: s.get("hits", "compressed"))
+        assert got.get("bytes_read", "full") == kv_bytes and len(got.data["observations"]["load_seconds"]) == 1
+        assert 0 < got.get("bytes_read", "compressed") < kv_bytes / 2 and not got.get("load_failures", "corrupt")
         # a corrupt chunk: the load fails, its blocks are reported for recomputation
         asyncio.run(corrupt_full_chunk(store_url, store_model(), PROMPT[:STORED], 1, torch.float32))
         assert load(conn, "c", [4, 5, 6, 7], start=128) == {"c"}
         assert conn.get_block_ids_with_load_errors() == {5, 6, 7}
+        got = drained(conn.get_kv_connector_stats, lambda s: s.get("load_failures", "corrupt"))
+        assert "load_seconds" not in got.data["observations"]  # a failed load is not timed
     finally:
         conn.shutdown()
 

@@ -34,6 +34,7 @@ from .config import connector_spec, model_name_of  # noqa: F401 - model_name_of:
 from .handoff import DraftHandoff
 from .metadata import VeriCacheMetadata
 from .scheduler import VeriCacheConnectorScheduler
+from .stats import VeriCacheStats, register_name
 from .worker import VeriCacheConnectorWorker
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
@@ -134,3 +135,22 @@ class VeriCacheConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         self._client.close()
+
+    # ---- metrics (stats.py): both halves' counts reach vLLM's /metrics as vericache_* series ----
+    def get_kv_connector_stats(self) -> VeriCacheStats | None:
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.stats.take()
+        return self.worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> VeriCacheStats:
+        return VeriCacheStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .stats import VeriCachePromMetrics
+
+        return VeriCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+register_name(VeriCacheConnector)  # MultiConnector rebuilds our stats by class name (stats.register_name)

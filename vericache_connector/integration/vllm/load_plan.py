@@ -115,10 +115,11 @@ class LoadPlanner:
                 self._moved, self._busy = 0.0, 0.0
 
     def load_started(self, rid: str, tokens: int) -> None:
+        """`rid` loads `tokens` (counted from the decision on: requests decided in the same step see it)."""
         with self._lock:
             self._drain()
+            self._backlog += tokens - self._loads.get(rid, 0)  # decided again (not scheduled last time)
             self._loads[rid] = tokens
-            self._backlog += tokens
 
     def load_finished(self, rid: str) -> None:
         with self._lock:

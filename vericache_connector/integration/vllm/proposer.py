@@ -98,6 +98,7 @@ class CompressedKVProposer:
             paced_off=0,
             seeded=0,
         )
+        self.accepted = dict.fromkeys(("predraft", "compressed", "ngram"), 0)  # tokens vLLM accepted (stats.py)
 
     def _find_handoff(self) -> DraftHandoff | None:
         """The connector's DraftHandoff, looked up until found (the connector is built after us)."""
@@ -303,6 +304,7 @@ class CompressedKVProposer:
         if len(row) > at:  # the step ran: n of the drafts accepted
             n = common(drafts, row[at:], 0)
             group.estimate.update(n, len(drafts))
+            self.accepted[source] += n
             if source == "predraft":
                 group.predraft_accepted += n
 
@@ -310,7 +312,9 @@ class CompressedKVProposer:
         got = self._ngram_last.pop(_row_key(row), None)
         if got is not None and len(row) > got[0]:
             at, drafts = got
-            self.ngram_est.update(common(drafts, row[at:], 0), len(drafts))
+            n = common(drafts, row[at:], 0)
+            self.ngram_est.update(n, len(drafts))
+            self.accepted["ngram"] += n
 
     def _draft_rows(self, rows: list[tuple[int, Chain, list[int], int]], out: list[list[int]]) -> None:
         """x_r compressed-KV drafts for each row, all rows in one forward per draft step."""

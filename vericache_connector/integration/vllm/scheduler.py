@@ -169,12 +169,14 @@ class VeriCacheConnectorScheduler:
             if found == self.stored_len(prompt):  # the store holds it whole: not saved again after computing
                 self._seen(prompt[:found], remember="loaded")
             self.planner.prefill_left(rid, len(prompt) - computed)
+            self.planner.load_started(rid, 0)  # decided to load last time and not scheduled: not any more
             if self.spec.runs_proposer:
                 self._drafts_only.append(
                     LoadSpec(rid, prompt[:found], [], computed, prompt, getattr(request, "max_tokens", None))
                 )
             return 0, False
         self.planner.prefill_left(rid, len(prompt) - computed - load)
+        self.planner.load_started(rid, load)
         self._lookups[rid] = computed + load
         return load, True
 
@@ -217,8 +219,6 @@ class VeriCacheConnectorScheduler:
             seeded=self._seeded,
             drafts_only=self._drafts_only,
         )
-        for load in self._loads.values():
-            self.planner.load_started(load.req_id, len(load.prefix) - load.start)
         self._steps.append((time.monotonic(), scheduler_output.total_num_scheduled_tokens))
         self._loads.clear()
         self._seeded, self._drafts_only = [], []

@@ -34,6 +34,7 @@ from .handoff import Deferred, DraftHandoff
 from .load_plan import LinkMeter
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
+from .stats import StatsRecorder
 
 logger = init_logger("vllm.vericache")
 SAVE_TIMEOUT_S = 30.0  # a whole prefix written (at least the store timeout)
@@ -65,6 +66,7 @@ class VeriCacheConnectorWorker:
         self._failed_blocks: set[int] = set()
         self._compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
         self.meter = LinkMeter()  # what the loads move, reported to the scheduler side each step
+        self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
@@ -97,6 +99,10 @@ class VeriCacheConnectorWorker:
         for spec in meta.drafts_only:  # computed here, not loaded: the proposer drafts on the compressed copy
             if self.handoff is not None and not self.handoff.has(spec.prefix) and not self.handoff.seeded(spec.prompt):
                 self.client.submit(self._fetch_for_drafts(spec))
+
+    def take_stats(self):
+        self.stats.proposer(self.handoff.drafter if self.handoff is not None else None)
+        return self.stats.take()
 
     def worker_meta(self) -> VeriCacheWorkerMeta:
         nbytes, busy = self.meter.take()
@@ -138,6 +144,7 @@ class VeriCacheConnectorWorker:
                 self.client.store.put_prefix(spec.prefix, layers, copies, overwrite=spec.overwrite),
                 timeout=max(SAVE_TIMEOUT_S, self.cfg.timeout_s),
             )
+            self.stats.saved(res)
             logger.info(
                 "saved %s: %d tokens, %d %sfull chunks, %d compressed bytes in %.2fs",
                 spec.req_id,
@@ -148,6 +155,7 @@ class VeriCacheConnectorWorker:
                 time.perf_counter() - t0,
             )
         except Exception as e:  # the request is answered anyway; the next one recomputes
+            self.stats.count("store_errors", "save")
             logger.warning("save of %s failed (%s: %s)", spec.req_id, type(e).__name__, e)
 
     async def _load(self, spec: LoadSpec) -> None:
@@ -166,6 +174,7 @@ class VeriCacheConnectorWorker:
         def put(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             if not split:  # streamed whole (a split load's halves are counted as they arrive)
                 self.meter.moved(k.nbytes + v.nbytes)
+                self.stats.count("bytes_read", "full", n=k.nbytes + v.nbytes)
             kv, vv = self._views[layer]
             scatter_tokens(kv, ids, k[:, lo:n])
             scatter_tokens(vv, ids, v[:, lo:n])
@@ -187,6 +196,7 @@ class VeriCacheConnectorWorker:
                 )
                 if self.split:  # the upper halves would have taken half as long: the next load's decision
                     self._learn_transfer((time.perf_counter() - t0) / 2 / n)
+            self.stats.observe("load_seconds", time.perf_counter() - t0)
             logger.info(
                 "hit %s: %d tokens loaded (compressed copy after %s, %sfull after %.2fs)",
                 spec.req_id,
@@ -196,6 +206,7 @@ class VeriCacheConnectorWorker:
                 time.perf_counter() - t0,
             )
         except BaseException as e:  # noqa: BLE001 - vLLM recomputes the blocks
+            self.stats.load_failed(e)
             logger.warning(
                 "load of %s failed (%s: %s): vLLM recomputes its %d blocks", spec.req_id, type(e).__name__, e, len(ids)
             )
@@ -249,7 +260,9 @@ class VeriCacheConnectorWorker:
             stream = self.client.store.stream_compressed(spec.prefix, [comp.spec, comp.spec + COMPLEMENT])
             async with contextlib.aclosing(stream) as layers:
                 while (x := await _next_layer(layers, self.cfg.timeout_s)) is not None:
-                    self.meter.moved(sum(t.nbytes for t in x.tensors.values()) if x.tensors else 0)
+                    nbytes = sum(t.nbytes for t in x.tensors.values()) if x.tensors else 0
+                    self.meter.moved(nbytes)
+                    self.stats.count("bytes_read", "compressed", n=nbytes)  # split16's halves: both compressed
                     if x.copy == 0:  # the upper halves: whole before anything is drafted on them
                         hi_layers.append(x.tensors)
                         if x.index == 1:
@@ -270,11 +283,13 @@ class VeriCacheConnectorWorker:
                         loaded.set()
                     await asyncio.to_thread(put, x.index, *comp.join_layer(hi, x.index, x.tensors))
             if hi is None:  # no compressed copy of exactly this prefix (chunks of a longer one): no warning
+                self.stats.miss("compressed")
                 return False
             if "lower halves" not in when:
                 raise ValueError("no lower halves streamed")
             return True
         except Exception as e:  # noqa: BLE001 - the full copy is streamed instead
+            self.stats.miss("compressed", e)
             logger.warning(
                 "split load of %s: %s: %s: streaming the full copy instead", spec.req_id, type(e).__name__, e
             )
@@ -308,7 +323,12 @@ class VeriCacheConnectorWorker:
         got = await asyncio.wait_for(
             self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
         )
-        return None if got is None else self._arrived(spec, LayeredKV.from_payload(*got), when, t0)
+        if got is None:
+            self.stats.miss("compressed")
+            return None
+        comp = self._arrived(spec, LayeredKV.from_payload(*got), when, t0)
+        self.stats.count("bytes_read", "compressed", n=comp.nbytes)
+        return comp
 
     def _arrived(self, spec: LoadSpec, comp: LayeredKV, when: dict, t0: float) -> LayeredKV:
         """A compressed copy whose checksums passed, checked against the model too (ValueError); its arrival
@@ -317,6 +337,7 @@ class VeriCacheConnectorWorker:
         self.compressor.validate(comp, n, len(self._views), self.num_kv_heads, self.head_dim)
         when["compressed"] = time.perf_counter() - t0
         self._learn_transfer(when["compressed"] / n)
+        self.stats.count("hits", "compressed")
         return comp
 
     async def _fetch_for_drafts(self, spec: LoadSpec) -> None:
@@ -330,6 +351,7 @@ class VeriCacheConnectorWorker:
                 self.meter.moved(comp.nbytes)
                 self.handoff.post(spec.prefix, comp)
         except Exception as e:  # noqa: BLE001
+            self.stats.miss("compressed", e)
             logger.warning(
                 "compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id, type(e).__name__, e
             )
@@ -357,6 +379,7 @@ class VeriCacheConnectorWorker:
             if comp is not None:
                 await asyncio.to_thread(self.handoff.post, spec.prefix, comp, spec.prompt, loaded)
         except Exception as e:  # noqa: BLE001
+            self.stats.miss("compressed", e)
             logger.warning(
                 "compressed copy of %s unusable (%s: %s): no drafts for it", spec.req_id, type(e).__name__, e
             )
