@@ -345,3 +345,15 @@ def test_a_split16_pre_draft_runs_only_where_the_rest_of_the_load_leaves_room_fo
     assert pacer.worth_predraft_during(0.5) and not pacer.worth_predraft_during(0.2)
     pacer.drafted(0.05)  # draft steps of 50 ms: room for WINDOW_STEPS of them in 0.2 s
     assert pacer.worth_predraft_during(0.2) and not pacer.worth_predraft_during(0.1)
+
+
+def test_the_worth_of_a_second_of_pre_drafting_is_measured():
+    """What the connector's load-or-recompute decision credits a load with: decode seconds the pre-drafts
+    saved (accepted tokens x vLLM's step alone) per second spent pre-drafting."""
+    pacer = DraftPacer(k_max=16)
+    pacer.predraft_yield(40, 6.0)
+    assert pacer.predraft_value() is None  # vLLM's step not measured yet
+    for _ in range(3):
+        pacer.record_step(0.09, rows=1)
+    pacer.predraft_yield(20, 6.0)
+    assert pacer.predraft_value() == pytest.approx((40 + 20) * 0.09 / 12.0)

@@ -440,6 +440,9 @@ class RecordingDrafter:
     def worth_predraft_during(self, seconds) -> bool:
         return self.window
 
+    def predraft_value(self):
+        return None
+
     def predraft(self, prompt, prefix_len, compressed, loaded) -> None:
         self.got.append((prefix_len, compressed, loaded.is_set()))
 

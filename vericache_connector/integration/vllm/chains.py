@@ -43,6 +43,8 @@ class Group:
     claimed: bool = False  # by a row of vLLM's batch; a claimed group missing from a step has finished
     proposed: tuple[int, list[int], str] | None = None  # (row length, drafts, source) of the last proposal
     predraft_accepted: int = 0  # pre-drafted tokens vLLM accepted (the fetch decision learns from it)
+    predraft_s: float | None = None  # how long it pre-drafted (from the copy's arrival to the full copy's)
+    predraft_t0: float = 0.0
     candidates: list[tuple[float, "Chain", int, int]] = field(default_factory=list)  # (logp, chain, at, token)
 
     def add_candidate(self, logp: float, chain: "Chain", at: int, token: int) -> None:

@@ -19,7 +19,10 @@ x of the n and computing the rest has its KV ready after
 
 (the request computes only once its load is in, and only once the CPU has done what is ahead of it). While
 the CPU is busy anyway, a leading part comes over the link for free: the best x can be all of n, none, or
-a leading part. x* = argmin T over chunk multiples; within 2% of the minimum the largest x wins (a load
+a leading part. With our proposer, a load's idle CPU time is not lost: it pre-drafts on the compressed copy
+meanwhile, and vLLM later accepts those drafts in a few steps. Its measured worth v (decode seconds saved
+per second of pre-drafting, reported by the worker) is credited: T(x) -= min(v (link(x) - C b), (m - 1) b1),
+m the request's max_tokens and b1 = a + b a decode step's time. x* = argmin T over chunk multiples; within 2% of the minimum the largest x wins (a load
 leaves the CPU to other requests). Until both rates are measured they are taken as equal: the queues then
 split concurrent requests between the link and the CPU, and measure both.
 """
@@ -48,6 +51,7 @@ class Plan:
     prefill_tok_s: float | None  # 1 / b
     link_ahead: int  # L, tokens
     cpu_ahead: int  # C, tokens
+    predraft_value: float | None = None  # v
 
     @property
     def decision(self) -> str:
@@ -60,6 +64,7 @@ class Plan:
             f"{self.decision} {self.load} of {self.n} stored tokens (est. {f(self.t_load_s)}; all {f(self.t_all_s)}, "
             f"none {f(self.t_none_s)}); link {r(self.rate_tok_s)} with {self.link_ahead} tokens ahead, prefill "
             f"{r(self.prefill_tok_s)} with {self.cpu_ahead} tokens ahead"
+            + ("" if self.predraft_value is None else f"; pre-drafts save {self.predraft_value:.2f} s per s of load")
         )
 
 
@@ -101,6 +106,7 @@ class LoadPlanner:
         self._backlog, self._at = 0.0, clock()  # L as of `_at`
         self._prefill: dict[str, int] = {}  # request -> prefill tokens it still has to compute
         self._moved, self._busy = 0.0, 0.0  # link reports not yet turned into a rate sample
+        self.predraft_value: float | None = None  # v: decode s saved per s of pre-drafting (the proposer)
 
     # ---- what the server reports ----
     def link_report(self, tokens: float, busy_s: float) -> None:
@@ -150,9 +156,10 @@ class LoadPlanner:
         self._at = now
 
     # ---- the decision ----
-    def plan(self, rid: str, start: int, found: int, prompt_len: int) -> Plan:
+    def plan(self, rid: str, start: int, found: int, prompt_len: int, max_new: int | None = None) -> Plan:
         """How many stored tokens past `start` (what vLLM has) `rid` loads: the prefix is stored up to `found`,
-        the prompt is `prompt_len` long (module docstring); a load ends on a chunk boundary."""
+        the prompt is `prompt_len` long, it makes up to `max_new` tokens (module docstring); a load ends on a
+        chunk boundary."""
         n, suffix = found - start, prompt_len - found
         with self._lock:
             self._drain()
@@ -163,9 +170,13 @@ class LoadPlanner:
         a, b = fit if measured else (0.0, 1.0)  # not both measured: equal rates, the queues decide
         r = rate if measured else 1.0
 
+        v = self.predraft_value or 0.0
+        cap = (max_new - 1) * (a + b) if max_new else float("inf")
+
         def t(x: int) -> float:
             link = (ahead_link + x) / r if x > 0 else 0.0
-            return max(link, ahead_cpu * b) + (n - x + suffix) * b + a
+            credit = min(v * max(0.0, link - ahead_cpu * b), cap) if x > 0 else 0.0
+            return max(link, ahead_cpu * b) + (n - x + suffix) * b + a - credit
 
         options = [0] + [e - start for e in range(self.chunk, found + 1, self.chunk) if e > start]
         times = {x: t(x) for x in options}
@@ -182,6 +193,7 @@ class LoadPlanner:
             None if fit is None else 1.0 / fit[1],
             ahead_link,
             ahead_cpu,
+            self.predraft_value,
         )
 
 

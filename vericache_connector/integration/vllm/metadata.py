@@ -41,6 +41,12 @@ class VeriCacheWorkerMeta(KVConnectorWorkerMetadata):
 
     link_tokens: float = 0.0  # bytes received, in full-copy tokens
     busy_s: float = 0.0  # seconds at least one load was in flight
+    predraft_value: float | None = None  # the proposer's decode seconds saved per second of pre-drafting
 
     def aggregate(self, other: "VeriCacheWorkerMeta") -> "VeriCacheWorkerMeta":
-        return VeriCacheWorkerMeta(self.link_tokens + other.link_tokens, max(self.busy_s, other.busy_s))
+        values = [v for v in (self.predraft_value, other.predraft_value) if v is not None]
+        return VeriCacheWorkerMeta(
+            self.link_tokens + other.link_tokens,
+            max(self.busy_s, other.busy_s),
+            min(values) if values else None,
+        )

@@ -111,6 +111,7 @@ class DraftPacer:
         self._per_draft = collections.deque(maxlen=SAMPLES)  # what one verified draft adds to a step
         self._last: tuple[float, int, int] | None = None  # the previous propose: (its end, rows, drafts)
         self._yields = collections.deque(maxlen=SAMPLES)  # pre-drafted tokens accepted, per request
+        self._predraft_s = collections.deque(maxlen=SAMPLES)  # (accepted, seconds pre-drafted), per request
 
     @property
     def draft_s(self) -> float | None:
@@ -163,9 +164,19 @@ class DraftPacer:
     def drafted(self, seconds: float) -> None:
         self._draft.append(seconds)
 
-    def predraft_yield(self, accepted: int) -> None:
-        """A request that had pre-drafts finished: vLLM accepted `accepted` of them."""
+    def predraft_yield(self, accepted: int, seconds: float | None = None) -> None:
+        """A request that had pre-drafts finished: vLLM accepted `accepted` of them, made over `seconds`."""
         self._yields.append(accepted)
+        if seconds is not None and seconds > 0:
+            self._predraft_s.append((accepted, seconds))
+
+    def predraft_value(self) -> float | None:
+        """Decode seconds the pre-drafts saved per second spent pre-drafting: accepted tokens x t_v(1) over
+        the pre-drafts' seconds, over recent requests (None until one finished)."""
+        t_v = self.step_s(1)
+        if not self._predraft_s or t_v is None:
+            return None
+        return sum(a for a, _ in self._predraft_s) * t_v / sum(s for _, s in self._predraft_s)
 
     def describe(self) -> str:
         f = [(n, v) for n, v in (("draft", self.draft_s), ("step", self.step_s())) if v is not None]

@@ -139,6 +139,11 @@ class CompressedKVProposer:
         """The connector asks before it fetches a compressed copy for a pre-draft (pacing.worth_predraft)."""
         return self.draft is not None and self.pacer.worth_predraft(compressed_s, max_new)
 
+    def predraft_value(self) -> float | None:
+        """Decode seconds pre-drafts saved per second of pre-drafting (what a second of load is worth to the
+        connector's load-or-recompute decision); None until measured."""
+        return None if self.draft is None else self.pacer.predraft_value()
+
     def worth_predraft_during(self, seconds: float) -> bool:
         """split16's load asks, once the upper halves are in: is the rest's transfer long enough to draft in?"""
         return self.draft is not None and self.pacer.worth_predraft_during(seconds)
@@ -154,6 +159,7 @@ class CompressedKVProposer:
             return
         with self._lock:
             chain.group.prompt_len, chain.group.loaded = len(prompt), loaded
+            chain.group.predraft_t0 = time.perf_counter()
             chain.tokens, chain.predrafting = list(prompt), True
             self.stats["predrafts"] += 1
             if self._thread is None:
@@ -192,6 +198,7 @@ class CompressedKVProposer:
                 if g.loaded is None or g.loaded.is_set():
                     for c in going:
                         c.predrafting = False
+                    g.predraft_s = time.perf_counter() - g.predraft_t0
                     made = [len(c.tokens) - g.prompt_len for c in g.chains]
                     logger.info(
                         "VeriCache pre-draft: %d tokens drafted on the compressed copy of a %d-token prefix, in %d "
@@ -403,7 +410,7 @@ class CompressedKVProposer:
     def _drop(self, key: int) -> None:
         g = self.groups.pop(key)
         if g.prompt_len:  # it had pre-drafts: what they saved is what the next fetch decision weighs
-            self.pacer.predraft_yield(g.predraft_accepted)
+            self.pacer.predraft_yield(g.predraft_accepted, g.predraft_s)
             logger.info(
                 "VeriCache proposer: request done, vLLM accepted %d pre-drafted tokens; %s; %s",
                 g.predraft_accepted,

@@ -158,7 +158,7 @@ class VeriCacheConnectorScheduler:
         if self.spec.load_policy == "always":
             load = found - computed
         else:
-            plan = self.planner.plan(rid, computed, found, len(prompt))
+            plan = self.planner.plan(rid, computed, found, len(prompt), getattr(request, "max_tokens", None))
             load = plan.load
             if rid not in self._planned:
                 self._planned.add(rid)
@@ -267,6 +267,8 @@ class VeriCacheConnectorScheduler:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, VeriCacheWorkerMeta):
             self.planner.link_report(meta.link_tokens, meta.busy_s)
+            if meta.predraft_value is not None:
+                self.planner.predraft_value = meta.predraft_value
 
     def _release(self, rid: str, loading_only: bool = False) -> None:
         """`rid` has brought its stored prefix in (loaded, or computed past it): waiting twins go on."""

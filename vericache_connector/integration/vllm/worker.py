@@ -106,7 +106,9 @@ class VeriCacheConnectorWorker:
 
     def worker_meta(self) -> VeriCacheWorkerMeta:
         nbytes, busy = self.meter.take()
-        return VeriCacheWorkerMeta(nbytes / self._token_bytes if self._views else 0.0, busy)
+        drafter = None if self.handoff is None else self.handoff.drafter
+        value = None if drafter is None else drafter.predraft_value()
+        return VeriCacheWorkerMeta(nbytes / self._token_bytes if self._views else 0.0, busy, value)
 
     def wait_for_save(self, meta: VeriCacheMetadata) -> None:
         for spec in meta.saves:
