@@ -27,7 +27,7 @@ CAPACITY = 1 << 20  # bytes of entries the bounded stores hold
 
 @pytest.fixture(scope="module")
 def wl():
-    return Workload(prompts=26, tokens=(150, 260))
+    return Workload(prompts=26, tokens=(150, 260)).warm()
 
 
 def stored_bytes(wl, i: int) -> int:
@@ -138,16 +138,17 @@ def redis_ttls(url: str) -> list[int]:
 
 
 def test_redis_ttl_expires_both_copies_and_a_hit_refreshes_them(wl, redis_url):
-    url = f"{redis_url}&ttl_s=1.5"
+    url = f"{redis_url}&ttl_s=3"
+    wl.ref(1)  # computed before the clock matters
     with wl.cache(url) as cache:
         assert wl.ask(cache, 1).path == "miss"
         ttls = redis_ttls(redis_url)
-        assert len(ttls) >= 8 and all(0 < t <= 1500 for t in ttls), ttls  # both copies, every chunk
-        time.sleep(0.8)
+        assert len(ttls) >= 8 and all(0 < t <= 3000 for t in ttls), ttls  # both copies, every chunk
+        time.sleep(1.5)  # every key has 1.5 s left at most
         assert wl.ask(cache, 1).path == "hit"
         ttls = redis_ttls(redis_url)
-        assert all(1000 < t <= 1500 for t in ttls), ttls  # refreshed: the compressed copy's keys too
-        time.sleep(1.7)
+        assert all(1600 < t <= 3000 for t in ttls), ttls  # refreshed: the compressed copy's keys too
+        time.sleep(3.1)
         assert redis_ttls(redis_url) == []  # both copies expired
         res = wl.ask(cache, 1)
         assert res.path == "miss" and res.tokens == wl.ref(1)
@@ -166,16 +167,22 @@ def test_s3_ttl_expires_both_copies_and_a_hit_refreshes_them(wl, s3_url):
         objs = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
         return {o["Key"]: o["LastModified"].timestamp() for o in objs}
 
-    with wl.cache(f"{s3_url}&ttl_s=2") as cache:
+    def wait_until(t: float) -> None:
+        time.sleep(max(0.0, t - time.time()))
+
+    # a GET's Last-Modified has whole seconds: an object written at w reads as expired after floor(w) + ttl_s
+    wl.ref(2)  # computed before the clock matters
+    with wl.cache(f"{s3_url}&ttl_s=3") as cache:
         assert wl.ask(cache, 2).path == "miss"
-        written = modified()
+        t_written, written = time.time(), modified()
         assert len(written) >= 8
-        time.sleep(1.1)
+        # a refresh then gets a later whole second, and is due (ttl_s / 4 after the write); >= 1.2 s before expiry
+        wait_until(max(max(written.values()) + 1.05, t_written + 0.8))
         assert wl.ask(cache, 2).path == "hit"
         refreshed = modified()
         assert refreshed.keys() == written.keys()
         assert all(refreshed[k] > written[k] for k in written), "a hit did not refresh every object of both copies"
-        time.sleep(max(0.0, max(refreshed.values()) + 3.05 - time.time()))  # 2 s + a whole second of rounding
-        assert run(present(wl, f"{s3_url}&ttl_s=2", 2, cache.compressor.spec)) == (False, False)
+        wait_until(max(refreshed.values()) + 3.05)
+        assert run(present(wl, f"{s3_url}&ttl_s=3", 2, cache.compressor.spec)) == (False, False)
         res = wl.ask(cache, 2)
         assert res.path == "miss" and res.tokens == wl.ref(2)
