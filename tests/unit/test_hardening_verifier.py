@@ -9,6 +9,7 @@ VerifierServer (tiny model, memory store) and a fake verifier process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -254,7 +255,9 @@ def test_admitted_connections_are_capped(served):
 
 def test_a_drafters_waiting_calls_are_capped_in_bytes(served, eng):
     hung = SilentServer()  # the store never answers: every load hangs, the calls wait
-    srv = served(store_url=f"redis://127.0.0.1:{hung.port}/0", max_call_bytes=8192, max_pending_bytes=8192)
+    srv = served(
+        store_url=f"redis://127.0.0.1:{hung.port}/0", max_call_bytes=8192, max_pending_bytes=8192, metrics_port=0
+    )
     prompt = [200] * 2600  # ~5.2 KB a call: the second one is over the drafter's 8 KiB
     sock = dealer(srv.url)
     try:
@@ -265,9 +268,138 @@ def test_a_drafters_waiting_calls_are_capped_in_bytes(served, eng):
         answer = rpc.decode_answer(sock.recv_multipart()[0])
         assert isinstance(answer, rpc.Failure) and answer.code == "busy" and "8192" in answer.message, answer
         assert answer.request in ("r1", "r2")
+        deadline = time.monotonic() + 10  # r0 waits for its KV (the queue-length gauge), the others were refused
+        while (got := scrape(srv))["vericache_verifier_loading_requests", ()] < 1:  # its load is started next
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert got["vericache_verifier_queued_calls", ()] == 1
+        assert got["vericache_verifier_fallbacks_total", (("code", "busy"),)] >= 1
     finally:
         sock.close(0)
         hung.close()
+
+
+# ---- metrics (issue 40): /metrics over HTTP on --metrics-port -------------------------------------------
+def scrape(srv, prefix: str = "vericache_verifier_") -> dict[tuple[str, tuple], float]:
+    """GET the verifier's /metrics: {(sample name, labels): value} of its series named prefix*."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_server.port}/metrics", timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+        if x.name.startswith(prefix)
+    }
+
+
+def test_metrics_count_requests_verify_calls_accepted_drafts_and_refusals(served, eng):
+    """Issue 40: the verifier's /metrics after a request verified in two calls (the second with drafts, some
+    accepted), a drafter key it does not admit, and a call with a wrong token."""
+    from vericache_connector.engine import DecodeConfig
+
+    srv = served(metrics_port=0)
+    prompt = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    pre = eng.prefill(prompt[:CHUNK])
+    layers = [{"k": k, "v": v} for k, v in zip(pre.prefix.keys, pre.prefix.values)]
+    srv.store.call(srv.store.store.put_prefix(prompt[:CHUNK], layers))
+    ref = eng.generate_full([eng.prefill(prompt)], DecodeConfig(max_new_tokens=6, stop_at_eos=False))[0]
+    ok, stranger = client(srv.url), client(srv.url, STRANGER_SECRET)
+    try:
+        first = ok.call(rpc.Verify(eng.model_name, "r", 0, prompt, CHUNK, [], [], 8))
+        assert first.token == ref[0]
+        wrong = (ref[4] + 1) % eng.model.cfg.vocab_size
+        second = ok.call(rpc.Verify(eng.model_name, "r", 1, prompt, CHUNK, ref[:1], ref[1:4] + [wrong], 8))
+        assert second.accepted == 3
+        with pytest.raises(rpc.VerifierUnavailable):
+            stranger.call(rpc.Stats())
+    finally:
+        ok.close()
+        stranger.close()
+    sock = dealer(srv.url)
+    try:
+        sock.send_multipart(rpc.call_frames(b"not-the-token-0123456789", rpc.Stats()))
+        assert sock.poll(5000) and rpc.decode_answer(sock.recv_multipart()[0]).code == "auth"
+    finally:
+        sock.close(0)
+    got = scrape(srv)
+    want = {
+        ("vericache_verifier_requests_total", ()): 1,
+        ("vericache_verifier_verify_calls_total", ()): 2,
+        ("vericache_verifier_accepted_drafts_count", ()): 2,
+        ("vericache_verifier_accepted_drafts_sum", ()): 3,
+        ("vericache_verifier_accepted_drafts_bucket", (("le", "2.0"),)): 1,  # the first call had no drafts
+        ("vericache_verifier_drafts_total", ()): 4,
+        ("vericache_verifier_load_seconds_count", ()): 1,
+        ("vericache_verifier_queued_calls", ()): 0,
+        ("vericache_verifier_resident_requests", ()): 1,
+        ("vericache_verifier_auth_failures_total", (("kind", "token"),)): 1,
+        ("vericache_verifier_fallbacks_total", (("code", "auth"),)): 1,
+        ("vericache_verifier_fallbacks_total", (("code", "store"),)): 0,
+    }
+    assert {k: got.get(k) for k in want} == want
+    assert got["vericache_verifier_auth_failures_total", (("kind", "key"),)] >= 1  # the stranger's handshake
+    assert got["vericache_verifier_connections", (("state", "admitted"),)] >= 0
+    assert got["vericache_verifier_resident_bytes", ()] > 0 and got["vericache_verifier_forwards_total", ()] == 2
+    assert scrape(srv, "process_")["process_resident_memory_bytes", ()] > 0  # the process's own, too
+
+
+def test_drafter_metrics_beside_the_verifiers(served, eng, monkeypatch):
+    """Issue 40: a drafter (its aiohttp app on 127.0.0.1) with this verifier: a miss, then a hit verified next to
+    the store; the drafter's GET /metrics and the verifier's count the same verify calls and accepted drafts."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vericache_connector.remote.drafter_server import DrafterService, make_app
+
+    for k, v in client_env().items():
+        monkeypatch.setenv(k, v)
+    srv = served(metrics_port=0)
+    cfg = RemoteCacheConfig(url=srv.store.cfg.url, chunk_size=CHUNK, compressor="int8", verifier=srv.url)
+    service = DrafterService(tiny_engine(), cfg)  # its own copy of the model (the verifier's runs on its thread)
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(9)).tolist()
+    body = {"prompt_ids": prompt, "max_new_tokens": 12, "draft_k": 4, "stop_at_eos": False}
+
+    async def run():
+        async with TestClient(TestServer(make_app(service), host="127.0.0.1")) as c:
+            paths = []
+            for b in (body, body, {"prompt_ids": "x"}):
+                r = await c.post("/v1/generate", json=b)
+                paths.append((await r.json()).get("path", r.status))
+            r = await c.get("/metrics")
+            return paths, r.headers["Content-Type"], await r.text()
+
+    try:
+        paths, ctype, text = asyncio.run(asyncio.wait_for(run(), 300))
+    finally:
+        service.close()
+    assert paths == ["miss", "verified", 400] and ctype.startswith("text/plain")
+    got = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+        if x.name.startswith("vericache_drafter_")
+    }
+    verifier = scrape(srv)
+    calls = got["vericache_drafter_verify_calls_total", ()]
+    assert calls >= 1 and calls == got["vericache_drafter_accepted_drafts_count", ()]
+    assert calls == verifier["vericache_verifier_verify_calls_total", ()]  # one drafter, one verifier: the same calls
+    assert got["vericache_drafter_accepted_drafts_sum", ()] == verifier["vericache_verifier_accepted_drafts_sum", ()]
+    assert got["vericache_drafter_requests_total", (("mode", "vericache"), ("path", "verified"))] == 1
+    assert got["vericache_drafter_requests_total", (("mode", "vericache"), ("path", "miss"))] == 1
+    assert got["vericache_drafter_request_errors_total", (("status", "400"),)] == 1
+    assert got["vericache_drafter_bytes_read_total", (("copy", "compressed"),)] > 0
+    assert got["vericache_drafter_bytes_read_total", (("copy", "full"),)] == 0  # verified: the full copy stays put
+    assert got["vericache_drafter_queued_requests", ()] == got["vericache_drafter_requests_in_flight", ()] == 0
+    assert not [k for k in got if k[0] == "vericache_drafter_fallbacks_total"]
+
+
+def test_metrics_are_off_unless_a_port_is_given(served):
+    assert served().server.metrics_server is None
 
 
 # ---- 7: bounded logs, escaped request ids --------------------------------------------------------------

@@ -43,6 +43,12 @@ def add_verifier_args(p) -> None:
         help="connections that have not shown an admitted key yet; one more evicts the oldest of them",
     )
     p.add_argument("--max-pending-per-address", type=int, default=8, help="of those, from one source address")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port, printed; default: off)",
+    )
 
 
 def add_drafter_args(p) -> None:

@@ -9,7 +9,8 @@ a hit fetches only the compressed copy and is verified next to the store (remote
 is text ("prompt", tokenized with the model's tokenizer) or token ids ("prompt_ids"); the answer is JSON:
 tokens and their text, path, timings, bytes fetched. "mode" picks what runs (drafter_api.MODES, shown by
 `vericache drafter --help`). GET /health answers once the model is loaded. Bodies are bounded
-(MAX_BODY_BYTES) and checked; a bad one is a 400 naming the field.
+(MAX_BODY_BYTES) and checked; a bad one is a 400 naming the field. GET /metrics: Prometheus metrics
+(DrafterMetrics: requests, verify calls, accepted drafts per call, queue length, fallbacks; docs/operations.md#metrics).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from storage_backends import redact_url, stored_prefix_len
 
 from ..engine.speculative import DecodeConfig, autoregressive_decode
+from ..metrics import COUNT_BUCKETS, Metrics, add_metrics_route
 from ..model.sampling import sample
 from ..store.config import RemoteCacheConfig
 from ..store.full_copy import stream_full_copy
@@ -45,6 +47,7 @@ class DrafterService:
         self.cache = RemotePrefixCache(engine, cfg)
         self.local = RemotePrefixCache(engine, dataclasses.replace(cfg, verifier=None)) if cfg.verifier else self.cache
         self.lock = threading.Lock()
+        self.metrics = DrafterMetrics()
 
     def close(self) -> None:
         self.cache.close()
@@ -95,6 +98,7 @@ class DrafterService:
             t0 = time.perf_counter()
             if mode in ("vericache", "local"):
                 res = (self.cache if mode == "vericache" else self.local).generate(ids, decode)
+                self.metrics.decoded(mode, res, verifier=self.cfg.verifier is not None)
                 tm = res.timings
                 return dict(
                     tokens=res.tokens,
@@ -153,6 +157,57 @@ class DrafterService:
         return dict(tokens=tokens, path=path, first_token_s=first_s, full_arrived_s=arrived, bytes_full=nbytes)
 
 
+class DrafterMetrics(Metrics):
+    """The drafter's Prometheus metrics (vericache_drafter_*), served at GET /metrics."""
+
+    VERIFIED = "verified"  # the path of a request the verifier checked to the end
+    NOT_FALLBACKS = (VERIFIED, "miss", "local")  # a miss and a prompt too short to store never use the verifier
+
+    def __init__(self):
+        super().__init__("vericache_drafter")
+        self.requests = self.counter(
+            "requests", "Requests answered, by mode and path (the answer's path).", ["mode", "path"]
+        )
+        self.errors = self.counter("request_errors", "Requests refused (400: a bad body) or failed (500).", ["status"])
+        self.seconds = self.histogram("request_seconds", "Seconds to answer a request, queueing included.", ["mode"])
+        self.in_flight = self.gauge(
+            "requests_in_flight", "Requests received and not answered yet (one runs at a time)."
+        )
+        self.queued = self.gauge("queued_requests", "Requests waiting for the one running (the queue length).")
+        self._in_flight = 0  # changed on the app's event loop only
+        self.verify_calls = self.counter("verify_calls", "Verify calls of requests the verifier checked to the end.")
+        self.accepted = self.histogram(
+            "accepted_drafts", "Drafts the verifier accepted per verify call.", buckets=COUNT_BUCKETS
+        )
+        self.fallbacks = self.counter(
+            "fallbacks",
+            "Hits in mode vericache (with --verifier) not verified to the end, finished on this node, by path: "
+            "the verifier failed mid-request (verifier-fallback*) or was not used (hit, full-only, ...).",
+            ["path"],
+        )
+        self.bytes_read = self.counter("bytes_read", "KV bytes fetched from the store per copy.", ["copy"])
+
+    def running(self, n: int) -> None:
+        """A request came in (+1) or was answered (-1)."""
+        self._in_flight += n
+        self.in_flight.set(self._in_flight)
+        self.queued.set(max(0, self._in_flight - 1))
+
+    def answered(self, mode: str, out: dict, seconds: float) -> None:
+        self.requests.labels(mode, out["path"]).inc()
+        self.seconds.labels(mode).observe(seconds)
+        self.bytes_read.labels("compressed").inc(out.get("bytes_compressed") or 0)
+        self.bytes_read.labels("full").inc(out.get("bytes_full") or 0)
+
+    def decoded(self, mode: str, res, verifier: bool) -> None:
+        if res.path == self.VERIFIED:
+            self.verify_calls.inc(len(res.stats.draft_lengths))
+            for n in res.stats.accepted[0] if res.stats.accepted else ():
+                self.accepted.observe(n)
+        elif mode == "vericache" and verifier and res.path not in self.NOT_FALLBACKS:
+            self.fallbacks.labels(res.path).inc()
+
+
 def make_app(service: DrafterService):
     from aiohttp import web
 
@@ -162,22 +217,31 @@ def make_app(service: DrafterService):
         return web.Response(text="ok")
 
     async def generate(request):
+        m = service.metrics
         try:
             body = json.loads(await request.read())
             mode, ids, decode = service.parse(body)
         except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+            m.errors.labels("400").inc()
             return web.json_response({"error": " ".join(str(e).split())[:500]}, status=400)
         loop = asyncio.get_running_loop()
+        m.running(+1)
+        t0 = time.perf_counter()
         try:
             out = await loop.run_in_executor(pool, service.generate, mode, ids, decode)
         except Exception as e:  # noqa: BLE001 - one failed request, the node serves on
             logger.exception("generate failed")
+            m.errors.labels("500").inc()
             return web.json_response({"error": f"{type(e).__name__}: {e}"[:500]}, status=500)
+        finally:
+            m.running(-1)
+        m.answered(mode, out, time.perf_counter() - t0)
         return web.json_response(out)
 
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/generate", generate)
+    add_metrics_route(app, service.metrics)
     app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, pool.shutdown))
     return app
 

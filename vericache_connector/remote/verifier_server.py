@@ -16,6 +16,9 @@ Release frees it at once. The store URL may carry a password: it comes from --st
 Only drafters whose CURVE keys it was given get a call through (auth.py: the handshake, before any call is
 read), frames are small, open connections are capped, and each peer's calls waiting for an answer are
 capped in bytes (a Failure "busy" beyond). Refusals are logged at a bounded rate, request ids escaped.
+
+--metrics-port serves Prometheus metrics over HTTP (VerifierMetrics: requests, verify calls, accepted drafts per
+call, queue length, fallbacks, auth failures; docs/operations.md#metrics); off by default, on in k8s/.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from storage_backends import redact_url
 
+from ..metrics import COUNT_BUCKETS, Metrics, serve_metrics
 from ..store.client import StoreClient
 from ..store.full_copy import stream_full_copy
 from . import rpc
@@ -53,6 +57,7 @@ class ServerSettings:
     handshake_s: float = 5.0  # a connection without a finished handshake by then is closed
     heartbeat_s: float = 2.0  # pings; a drafter silent for 3x this is dropped
     log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (auth.LogLimiter)
+    metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port (0: any free port; None: off)
 
     def __post_init__(self):
         for name in ("max_call_bytes", "max_connections", "max_pending", "max_pending_per_address", "handshake_s",
@@ -121,6 +126,8 @@ class VerifierServer:
         self.loading: dict[str, tuple[Resident, object, float]] = {}  # request -> (resident, future, t0)
         self.failures: dict[str, int] = {}
         self.stop = threading.Event()
+        self.metrics = VerifierMetrics(self)
+        self.metrics_server = None if st.metrics_port is None else serve_metrics(self.metrics, st.host, st.metrics_port)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -139,6 +146,8 @@ class VerifierServer:
                         logger.info("request %s: idle for over %ss, its KV is freed", esc(name), self.core.cfg.ttl_s)
                     self.limit.flush()
         finally:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             self.gate.close()
             try:
                 self._sock.disable_monitor()
@@ -261,6 +270,7 @@ class VerifierServer:
             return  # released or expired while loading
         r.ready, r.tokens = True, list(r.prefix)
         r.cache.lengths[0] = len(r.prefix)
+        self.metrics.load_seconds.observe(time.monotonic() - t0)
         logger.info(
             "request %s: %d tokens of full KV loaded (%d bytes, %.3fs)",
             esc(name),
@@ -280,7 +290,9 @@ class VerifierServer:
             for _, call, _ in batch:
                 self._done(self.queues[call.request].popleft())
             try:
+                t0 = time.perf_counter()
                 verdicts = self.core.verify([(call, r) for _, call, r in batch])
+                self.metrics.verified(batch, verdicts, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - answer the calls, keep serving
                 logger.exception("verify forward failed")
                 for peer, call, r in batch:
@@ -304,6 +316,104 @@ class VerifierServer:
         of = f" of request {esc(request, 64)}" if request else ""
         self.limit(f"refused calls ({code})", "refused a call%s: %s: %s", of, code, esc(message, 500))
         self._answer(peer, rpc.Failure(request, seq, code, message))
+
+
+class VerifierMetrics(Metrics):
+    """The verifier's Prometheus metrics (vericache_verifier_*). What the server counts anyway (its core's counts,
+    refused calls, the gate's refusals, queues and residents) is read at scrape time; accepted drafts per call and
+    the forward's and the loads' seconds are observed as they happen."""
+
+    def __init__(self, server: "VerifierServer"):
+        super().__init__("vericache_verifier")
+        self.server = server
+        self.accepted = self.histogram(
+            "accepted_drafts", "Drafts accepted per verify call (its drafts: drafts_total).", buckets=COUNT_BUCKETS
+        )
+        self.drafts = self.counter("drafts", "Drafts received in verify calls that were verified.")
+        self.forward_seconds = self.histogram("forward_seconds", "Seconds per verify forward (a batch of calls).")
+        self.load_seconds = self.histogram("load_seconds", "Seconds to load a request's full KV from the store.")
+        self.register(self)
+
+    def verified(self, batch, verdicts, seconds: float) -> None:
+        self.forward_seconds.observe(seconds)
+        for (_, call, _), verdict in zip(batch, verdicts):
+            self.drafts.inc(len(call.drafts))
+            self.accepted.observe(verdict.accepted)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.server
+        core, gate, failures = dict(s.core.counts), dict(s.gate.counts), dict(s.failures)
+
+        def counter(name, doc, value=None, label=None, values=None):
+            f = CounterMetricFamily(self.name(name), doc, labels=[label] if label else None)
+            if label:
+                for k, v in values.items():
+                    f.add_metric([k], v)
+            else:
+                f.add_metric([], value)
+            return f
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(self.name(name), doc, value=value)
+
+        yield counter(
+            "requests", "Requests admitted: their full KV load started (again after it was freed).", core["loads"]
+        )
+        yield counter("verify_calls", "Verify calls verified (answered with a verdict).", core["calls"])
+        yield counter("forwards", "Verify forwards (each verifies a batch of calls).", core["forwards"])
+        yield counter(
+            "freed_requests",
+            "Requests whose full KV was freed: released by the drafter, expired (unused for --ttl-s), evicted (LRU).",
+            label="why",
+            values={k: core[k] for k in ("released", "expired", "evicted")},
+        )
+        yield counter(
+            "fallbacks",
+            "Calls answered with a Failure, by code: the drafter finishes that request on its own (a fallback).",
+            label="code",
+            values={c: failures.get(c, 0) for c in sorted({*FAILURE_CODES, *failures})},
+        )
+        yield counter(
+            "auth_failures",
+            "Refused peers: key (a handshake with a key not admitted, or no CURVE), handshake (a failed or stalled "
+            "handshake), token (a call with a missing or wrong token).",
+            label="kind",
+            values={"key": gate["refused"], "handshake": gate["failed"], "token": failures.get("auth", 0)},
+        )
+        yield counter(
+            "connections_closed",
+            "Connections closed by the gate: over_cap (past --max-connections), evicted (a pending one, past "
+            "--max-pending or --max-pending-per-address).",
+            label="why",
+            values={"over_cap": gate["cut"], "evicted": gate["evicted"]},
+        )
+        queues, residents = list(s.queues.values()), list(s.core.residents.values())
+        yield gauge(
+            "queued_calls",
+            "Verify calls waiting: for their request's KV, or for the next forward.",
+            sum(map(len, queues)),
+        )
+        yield gauge("loading_requests", "Requests whose full KV is loading from the store.", len(s.loading))
+        yield gauge("resident_requests", "Requests whose full KV is held.", len(residents))
+        yield gauge(
+            "resident_bytes", "Bytes of full KV held (the budget: --memory-gb).", sum(r.nbytes for r in residents)
+        )
+        f = GaugeMetricFamily(
+            self.name("connections"),
+            "Open connections: admitted drafters, pending (no key shown yet).",
+            labels=["state"],
+        )
+        f.add_metric(["admitted"], len(s.gate.open))
+        f.add_metric(["pending"], len(s.gate.pending))
+        yield f
+
+    def describe(self):
+        return []  # collect() reads live state: nothing to describe ahead
+
+
+FAILURE_CODES = ("auth", "malformed", "too_large", "model", "store", "busy", "internal")  # rpc.Failure.code
 
 
 def main(args) -> int:
@@ -335,6 +445,7 @@ def main(args) -> int:
         max_connections=args.max_connections,
         max_pending=args.max_pending,
         max_pending_per_address=args.max_pending_per_address,
+        metrics_port=args.metrics_port,
     )
     server = VerifierServer(core, store, token, settings, keys)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -347,6 +458,8 @@ def main(args) -> int:
         f"warmed up in {warm_s:.1f}s)",
         flush=True,
     )
+    if server.metrics_server is not None:
+        print(f"vericache verifier: metrics on http://{args.host}:{server.metrics_server.port}/metrics", flush=True)
     try:
         server.serve_forever()
     finally:
