@@ -64,7 +64,13 @@ def test_only_drafters_reach_the_verifier():
         find(objects, "Service", "vericache-verifier"),
     )
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(verifier).items()
-    (rule,) = policy["spec"]["ingress"]
+    (container,) = verifier["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    rule, scrape = policy["spec"]["ingress"]  # the verify port to the drafters; the metrics port to Prometheus
+    assert [p["port"] for p in scrape["ports"]] == [ports["metrics"]] != [ports["verify"]]
+    assert scrape["from"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"vericache-metrics-scraper": "true"}}}
+    ]
     (source,) = rule["from"]
     allowed = source["podSelector"]["matchLabels"]
     assert set(source) == {"podSelector"}  # no namespaceSelector / ipBlock widening it
@@ -73,8 +79,7 @@ def test_only_drafters_reach_the_verifier():
         if other["kind"] == "Deployment" and other["metadata"]["name"] != "vericache-drafter":
             assert not allowed.items() <= pod_labels(other).items(), other["metadata"]["name"]
     (port,) = rule["ports"]
-    (container,) = verifier["spec"]["template"]["spec"]["containers"]
-    (cport,) = container["ports"]
+    (cport,) = [p for p in container["ports"] if p["name"] == "verify"]
     (sport,) = service["spec"]["ports"]
     assert port["port"] == cport["containerPort"] == sport["port"] and sport["targetPort"] == cport["name"]
     (dc,) = drafter["spec"]["template"]["spec"]["containers"]
