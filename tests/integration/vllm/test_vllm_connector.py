@@ -69,6 +69,30 @@ def wait_lines(srv: VLLMServer, word: str, count: int, timeout_s: float = 60) ->
         time.sleep(0.2)
 
 
+def vericache_metrics(srv: VLLMServer, until=lambda got: True, timeout_s: float = 30) -> dict[tuple, float]:
+    """vLLM's GET /metrics: its vericache_* samples {(name, labels other than model_name/engine): value}, read
+    until `until` holds (the stats ride each engine step to the API server)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            got = {
+                (
+                    x.name,
+                    tuple(sorted((k, v) for k, v in x.labels.items() if k not in ("model_name", "engine"))),
+                ): x.value
+                for f in text_string_to_metric_families(r.read().decode())
+                for x in f.samples
+                if x.name.startswith("vericache_") and not x.name.endswith("_created")
+            }
+        if until(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
 def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, engine, tmp_path):
     """Connector (inside MultiConnector) + the compressed-KV proposer, with split16 (the compressed copy is
     the upper half of the full copy's bits, the load fetches the lower half after it and joins them): cold,
@@ -93,6 +117,32 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
         wait_lines(srv, r"saved \S+: \d+ tokens", len(ids))
         for p, ref in zip(ids, greedy):
             assert srv.complete(p, NEW).token_ids == ref, "warm"
+        # vLLM's /metrics (issue 40): 3 misses, then 3 hits. What was loaded (the planner may compute a stored prefix
+        # instead) came over the link whole: as split16's two halves, or as the full copy (a load that found the
+        # store fast), as each load's log line says
+        hit_lines = re.findall(r"hit \S+: (\d+) tokens loaded \(compressed copy after ([^,]+), (its lower)?", srv.log())
+        halves = [int(n) for n, _, lower in hit_lines if lower]
+        whole = [int(n) for n, _, lower in hit_lines if not lower]
+        got = vericache_metrics(srv, lambda got: got.get(("vericache_load_seconds_count", ())) == len(hit_lines))
+
+        def m(name: str, **labels) -> float:
+            return got[name, tuple(sorted(labels.items()))]
+
+        kv_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M's KV, float32
+        assert m("vericache_lookups_total") == 2 * len(ids), got
+        assert m("vericache_hits_total", copy="full") == len(ids), got
+        assert m("vericache_misses_total", copy="full", reason="absent") == len(ids), got
+        decided = {d: m("vericache_load_decisions_total", decision=d) for d in ("load", "partial", "recompute")}
+        assert sum(decided.values()) == len(ids) and decided["load"] + decided["partial"] == len(hit_lines) >= 1, got
+        assert m("vericache_load_seconds_count") == len(hit_lines) and m(
+            "vericache_hits_total", copy="compressed"
+        ) == len(halves), (got, hit_lines)
+        assert m("vericache_bytes_read_total", copy="compressed") == sum(halves) * kv_per_token, got
+        assert m("vericache_bytes_read_total", copy="full") == sum(whole) * kv_per_token, got
+        stored = sum(len(p) // 256 * 256 for p in ids)
+        assert m("vericache_saves_total") == len(ids), got
+        assert m("vericache_bytes_written_total", copy="full") >= stored * kv_per_token, got
+        assert m("vericache_predrafted_tokens_total") > 0, got
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
             batch = list(pool.map(lambda p: srv.complete(p, NEW).token_ids, ids))
         assert batch == greedy[: len(ids)], "warm, batched"
