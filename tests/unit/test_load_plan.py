@@ -139,3 +139,13 @@ def test_with_the_proposer_a_load_is_credited_what_its_pre_drafts_save():
     p.prefill_left("busy", 3 * DOC)  # the CPU computes others for the whole load: nothing to credit
     assert p.plan("r", 0, DOC, DOC + 20, max_new=64).decision != "recompute"  # (the load is free anyway)
     assert p.plan("r", 0, DOC, DOC + 20, max_new=64).t_load_s == pytest.approx(3 * DOC / 350.0 + 20 / 350.0, rel=0.01)
+
+
+def test_a_credit_larger_than_the_whole_cost_still_decides():
+    """Pre-drafts worth more than the load takes: every estimate goes below zero and the load still wins (the
+    tie rule once compared against best * 1.02, which is below a negative best, and found nothing: vLLM's
+    scheduler died on it)."""
+    p = planner(353.0, 537.0)
+    p.predraft_value = 5.0
+    plan = p.plan("r", 0, 1280, 1300, max_new=64)
+    assert plan.load > 0 and plan.t_load_s < 0

@@ -195,6 +195,16 @@ def test_requests_decided_in_one_step_share_the_link_and_the_cpu(model_dir, stor
     assert so.num_scheduled_tokens[b.request_id] == len(other)
 
 
+def test_a_failing_decision_loads_and_never_stops_the_scheduler(model_dir, store_url, monkeypatch):
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    monkeypatch.setattr(sched.connector.scheduler.planner, "plan", lambda *a, **k: 1 / 0)
+    req = create_request(PROMPT)
+    sched.add_request(req)
+    (load,) = sched.schedule().kv_connector_metadata.loads
+    assert load.prefix == PROMPT[:STORED]
+
+
 def test_a_slow_link_is_not_loaded_from(model_dir, store_url):
     """Measured: a link much slower than the prefill. A stored prefix is then computed, not loaded, and the
     decision is logged with its inputs."""

@@ -181,7 +181,7 @@ class LoadPlanner:
         options = [0] + [e - start for e in range(self.chunk, found + 1, self.chunk) if e > start]
         times = {x: t(x) for x in options}
         best = min(times.values())
-        load = max(x for x in options if times[x] <= best * (1 + TIE) + 1e-12)
+        load = max(x for x in options if times[x] <= best + TIE * abs(best) + 1e-12)
         est = (lambda x: times[x]) if measured else (lambda x: None)
         return Plan(
             load,

@@ -158,9 +158,13 @@ class VeriCacheConnectorScheduler:
         if self.spec.load_policy == "always":
             load = found - computed
         else:
-            plan = self.planner.plan(rid, computed, found, len(prompt), getattr(request, "max_tokens", None))
-            load = plan.load
-            if rid not in self._planned:
+            try:
+                plan = self.planner.plan(rid, computed, found, len(prompt), getattr(request, "max_tokens", None))
+            except Exception as e:  # noqa: BLE001 - a decision must never stop vLLM's scheduler: load it all
+                logger.warning("VeriCache load-or-recompute failed (%s: %s): loading", type(e).__name__, e)
+                plan = None
+            load = found - computed if plan is None else plan.load
+            if plan is not None and rid not in self._planned:
                 self._planned.add(rid)
                 self.stats.count("load_decisions", plan.decision)
                 logger.info("VeriCache load-or-recompute: %s: %s", rid, plan.describe())
