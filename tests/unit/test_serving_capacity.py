@@ -95,7 +95,7 @@ def test_the_engine_serves_full_kv_where_the_model_predicts_a_loss(tiny, link, s
     one: it serves VeriCache. Outputs are the full-KV greedy outputs in both."""
     eng, prompts, refs = tiny
     mc = eng.model.cfg
-    budget = int(1.2 * (610 + 12) * mc.kv_bytes_per_token(4))  # one full-KV row at a time
+    budget = int(1.9 * (610 + 12) * mc.kv_bytes_per_token(4))  # one full-KV row at a time, three VeriCache rows
     hw = C.Hardware("cpu (test figures)", 2e10, 1e11, 1e9, link)
     cfg = ServingConfig(policy="vericache", budget_bytes=budget, compressor="kivi2", k_max=8, hardware=hw)
     rep = ServingEngine(eng.model, cfg).run([Request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
@@ -123,3 +123,45 @@ def test_cost_model_prints_the_papers_table_within_the_bounds(tmp_path, capsys):
     assert doc["paper_within_bounds"] == {"full_15pct": True, "vericache_35pct": True}
     gpus = {p["hardware"].split(" (")[0] for p in doc["gpus"]}
     assert {"H200", "GH200 144GB", "L40S", "RTX PRO 6000 Blackwell"} <= gpus or not doc["alphas"]
+
+
+def test_a_finite_trace_is_served_row_by_row_with_its_rows_acceptance_and_the_overheads():
+    """(issue 41, item 1) A finite trace: each row with its own acceptance, the measured overheads on every
+    VeriCache step (per step, per verification), the trace ending when its slowest row does. By hand: two rows at
+    horizon 1 emit (1 + a) / 2 tokens a step; both running, one verifies a step; alone, half a verification."""
+    hw = C.Hardware("toy", 1e12, 1e18, 1e12, 1e15, step_overhead_s=1e-3, verify_overhead_s=4e-3)
+    wl = C.Workload(2e9, 1e9, 1, 4, 1000, 1e9, max_rows=2, k_max=1, new_tokens=100, vc_row_bytes=1e8)
+    p = C.predict(hw, wl, 1e-9, [0.5, 0.9], tail_full=False)
+    both, alone = 2e-3 + 1e-3 + 4e-3, 2e-3 + 1e-3 + 0.5 * 4e-3  # weights (2 ms) + overheads
+    fast = 100 / 0.95  # steps until the a = 0.9 row is done; the a = 0.5 row has done 0.75 of them
+    assert p.vc_rows == 2 and p.vc_horizon == 1
+    assert p.vc_tokens_per_s == pytest.approx(200 / (fast * both + (100 - 0.75 * fast) / 0.75 * alone), rel=1e-4)
+    mean = C.predict(hw, wl, 1e-9, 0.7, tail_full=False)  # one figure for both rows: both end together
+    assert mean.vc_tokens_per_s == pytest.approx(200 / (100 / 0.85 * both), rel=1e-4)
+    assert mean.vc_tokens_per_s > p.vc_tokens_per_s
+    bare = C.predict(C.Hardware("toy", 1e12, 1e18, 1e12, 1e15), wl, 1e-9, [0.5, 0.9], tail_full=False)
+    assert bare.vc_tokens_per_s > p.vc_tokens_per_s  # the overheads cost
+    with pytest.raises(ValueError, match="every alpha in"):
+        C.predict(hw, wl, 0.5, [0.5, 1.5])
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.75])
+def test_the_model_sizes_rows_as_the_scheduler_admits_them(tiny, budget):
+    """(issue 41, item 2) capacity.for_trace counts a row's bytes by the scheduler's formula (engine/sizes.py): the
+    rows it predicts at once are the rows the engine admits at once, on full KV and with VeriCache."""
+    eng = tiny[0]
+    prompts = [[(i + j) % 256 for j in range(384)] for i in range(4)]
+    mc = eng.model.cfg
+    total = int(budget * sum((len(p) + 4) * mc.kv_bytes_per_token(4) for p in prompts))
+    hw = C.Hardware("cpu (test figures)", 2e10, 1e11, 1e9, 1e12)
+    reqs = [Request(f"r{i}", p, 4) for i, p in enumerate(prompts)]
+    rows = {}
+    for policy in ("full", "vericache"):
+        cfg = ServingConfig(policy=policy, budget_bytes=total, compressor="kivi2", k_max=8, planner=False)
+        engine = ServingEngine(eng.model, cfg)
+        rows[policy] = engine.run(reqs).max_concurrent
+    pred = C.for_trace(
+        ServingEngine(eng.model, ServingConfig(budget_bytes=total, compressor="kivi2", k_max=8)), reqs, 0.8, hw
+    )
+    assert (pred.full_rows, pred.vc_rows) == (rows["full"], rows["vericache"])
+    assert rows["vericache"] > rows["full"] >= 1

@@ -318,3 +318,33 @@ def test_a_server_loop_drives_the_engine_by_add_request_and_step(tiny):
     assert ran.outputs() == got
     with pytest.raises(ValueError, match="request ids in a trace must be unique"):
         engine.add_request(Request("r2", prompts[1], 4))
+
+
+@pytest.mark.parametrize("compressor", ["snapkv-4x", "kivi4"])
+def test_rows_that_lose_move_to_full_kv_mid_trace_and_stay_exact(tiny, compressor, monkeypatch):
+    """(issue 41, item 1) The guard: hardware figures by which full KV is far faster (planner off, so VeriCache
+    starts): once the rows have verified, their measured rate is below full KV's and rows move to full KV while
+    requests still wait, lowest acceptance first, VeriCache rows paused to make room (and resumed on full KV by a
+    reload of their prompt). Every output exact, the budget never passed. Without the guard no row moves before the
+    trace's tail."""
+    from vericache_connector.engine import scheduler
+    from vericache_connector.engine.capacity import Hardware
+
+    paused = []
+    orig = scheduler.Scheduler.pause
+    monkeypatch.setattr(
+        scheduler.Scheduler, "pause", lambda self, seq: paused.append(seq.request_id) or orig(self, seq)
+    )
+    fast_full = Hardware("full KV far faster (test figures)", 1e15, 1e18, 1e9, 4e7)
+    common = dict(policy="vericache", compressor=compressor, link_bytes_per_s=4e7, hardware=fast_full, planner=False)
+    rep, outs, refs = serve(tiny, budget=0.3, **common)
+    assert outs == refs and rep.peak_resident_bytes <= rep.budget_bytes and rep.reload_failures == 0
+    moved = [r for r in rep.requests if r.switched_by == "guard"]
+    last_admit = max(r.admitted_s for r in rep.requests)
+    assert moved and min(r.switched_s for r in moved) < last_admit  # while requests still waited
+    assert rep.moved_by_guard == len(moved) and rep.verifications > 0
+    if compressor == "snapkv-4x":  # its lowest-acceptance row's full KV fit only with others paused
+        assert paused
+    off, outs, _ = serve(tiny, budget=0.3, guard=False, **common)
+    assert outs == refs and off.moved_by_guard == 0
+    assert all(r.switched_s is None or r.switched_s >= max(q.admitted_s for q in off.requests) for r in off.requests)

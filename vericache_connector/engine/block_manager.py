@@ -68,7 +68,8 @@ class KVPool:
             if self.caches[0][0].is_cuda:
                 torch.cuda.synchronize()  # copies the link queued on its stream land before the swap
             n = self.num_blocks
-            self.caches = [tuple(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) for x in kv) for kv in self.caches]
+            for i, kv in enumerate(self.caches):  # a layer at a time: one layer's copy more at once
+                self.caches[i] = tuple(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) for x in kv)
             self.free_blocks[:0] = range(n + extra - 1, n - 1, -1)
 
     @staticmethod

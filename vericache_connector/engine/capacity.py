@@ -22,11 +22,20 @@ With context T, full KV bytes per token kv, a device KV budget H:
 
 a is the per-draft acceptance (fit_alpha turns a measured mean of accepted drafts at horizon k into it).
 Link rates are EFFECTIVE rates (what pinned host-to-device copies reach, below the nominal rate).
+
+A finite trace (Workload.new_tokens > 0) is served row by row instead (finite_trace): each request with its own
+acceptance (a distribution: the rows the engine has seen, not one mean), rows admitted as the scheduler admits them
+(the row sizes of engine/sizes.py, Workload.vc_row_bytes / full_row_bytes), a VeriCache step costing its roofline
+plus the overheads the engine measured (Hardware.step_overhead_s, verify_overhead_s), the trace ending with its
+slowest rows, which go on on full KV at the tail where theirs fits. for_trace builds that workload for a
+ServingEngine and its requests.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -40,6 +49,10 @@ class Hardware:
     devices: int = 1  # tensor parallel
     attn_flops: float | None = None  # attention over float KV, FLOP/s (None: flops)
     draft_attn_flops: float | None = None  # attention over the draft pool's compressed KV (None: attn_flops)
+    # what a VeriCache step costs beyond its roofline (Python, per-row sampling and bookkeeping), and each verification
+    # in it beyond its attention (the serving engine measures both: ServingReport.step_overhead_s, verify_overhead_s)
+    step_overhead_s: float = 0.0
+    verify_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,11 @@ class Workload:
     # prefill_s (compression and the host copy, serialized with the steps)
     new_tokens: float = 0.0
     prefill_s: float = 0.0
+    # bytes a row holds, as the scheduler counts them (engine/sizes.py; 0: compression x context + row_bytes for
+    # VeriCache, context x kv_bytes_per_token on full KV)
+    vc_row_bytes: float = 0.0
+    full_row_bytes: float = 0.0
+    vc_reserve_bytes: float = 0.0  # what VeriCache admission keeps free beside the rows (0: a 2-layer staging ring)
 
 
 @dataclass
@@ -109,38 +127,55 @@ def predict(
     hw: Hardware,
     wl: Workload,
     compression: float,
-    alpha: float,
+    alpha: float | Sequence[float],
     reload_fraction: float = 1.0,
     staging_layers: int | None = 2,
     draft_keys: float = 1.0,
+    tail_full: bool = True,
 ) -> Prediction:
-    """Full KV against VeriCache on this hardware (see the module docstring); draft_keys: the fraction of the
-    context a draft query attends (a token dropper's kept share; 1 for a quantizer); staging_layers None: the
-    ring the serving engine stages (the layers the link cannot deliver within a step, plus double buffering)."""
-    if not (0 < compression <= 1 and 0 <= alpha <= 1 and 0 <= reload_fraction <= 1 and 0 < draft_keys <= 1):
-        raise ValueError(
-            f"need 0 < compression <= 1, 0 <= alpha, reload_fraction <= 1, 0 < draft_keys <= 1; got {compression}, "
-            f"{alpha}, {reload_fraction}, {draft_keys}"
-        )
+    """Full KV against VeriCache on this hardware (see the module docstring); alpha: one per-draft acceptance, or
+    the per-row acceptances seen (a finite trace's rows take them in turn; a steady state their mean); draft_keys:
+    the fraction of the context a draft query attends (a token dropper's kept share; 1 for a quantizer);
+    staging_layers None: the ring the serving engine stages (the layers the link cannot deliver within a step, plus
+    double buffering); tail_full: a finite trace's last rows go on on full KV where theirs fits."""
+    alphas = [alpha] if isinstance(alpha, (int, float)) else list(alpha)
+    if not (0 < compression <= 1 and alphas and all(0 <= a <= 1 for a in alphas)):
+        raise ValueError(f"need 0 < compression <= 1 and every alpha in [0, 1]; got {compression}, {alpha}")
+    if not (0 <= reload_fraction <= 1 and 0 < draft_keys <= 1):
+        raise ValueError(f"need 0 <= reload_fraction <= 1, 0 < draft_keys <= 1; got {reload_fraction}, {draft_keys}")
     kv_req = wl.context * wl.kv_bytes_per_token
-    rows_f = waves(wl, min(wl.max_rows, int(wl.budget_bytes // kv_req)))
+    rows_f = waves(wl, min(wl.max_rows, int(wl.budget_bytes // (wl.full_row_bytes or kv_req))))
     step_f = pass_s(hw, wl, rows_f * kv_req, max(1, rows_f), dense=rows_f * wl.context)
     thr_f = rows_f / step_f if rows_f else 0.0
     link = hw.link_bytes_per_s * hw.devices
     reload_s = reload_fraction * kv_req / link if link > 0 else math.inf  # no link: no verification
+    if wl.new_tokens:
+        best = finite_trace(
+            hw, wl, compression, per_request(alphas, wl.max_rows), reload_fraction, draft_keys, tail_full
+        )
+        best.full_rows, best.full_step_s, best.full_tokens_per_s = rows_f, step_f, thr_f
+        return best
+    alpha = statistics.fmean(alphas)
     ring = staging_layers or 2
     for _ in range(1 if staging_layers else 2):  # the engine's ring depends on the step time it gives
         staging = kv_req * reload_fraction * ring / wl.num_layers
-        per_row = compression * kv_req + wl.row_bytes
+        per_row = wl.vc_row_bytes or compression * kv_req + wl.row_bytes
         rows_v = waves(wl, min(wl.max_rows, int(max(0.0, wl.budget_bytes - staging) // per_row)))
         best = _vericache(hw, wl, rows_v, compression, alpha, reload_s, draft_keys)
-        if wl.new_tokens and best.vc_tokens_per_s:  # the trace's tokens over their decode time + the prefills
-            best.vc_tokens_per_s = wl.new_tokens / (wl.new_tokens / best.vc_tokens_per_s + wl.prefill_s)
         best.full_rows, best.full_step_s, best.full_tokens_per_s = rows_f, step_f, thr_f
         late = 0 if reload_s <= best.vc_step_s else math.ceil(wl.num_layers * (1 - best.vc_step_s / reload_s))
         late = min(late, wl.num_layers)
         ring = min(wl.num_layers, late + 2)
     return best
+
+
+def per_request(alphas: list[float], n: int) -> list[float]:
+    """n requests' acceptances from the rows seen: those rows in turn when there are n of them, else n evenly spaced
+    quantiles of them, lowest first (the slowest rows admitted last: the trace's tail at its longest)."""
+    if len(alphas) == n:
+        return list(alphas)
+    ranked = sorted(alphas)
+    return [ranked[min(len(ranked) - 1, int((i + 0.5) * len(ranked) / n))] for i in range(n)]
 
 
 def waves(wl: Workload, rows: int) -> float:
@@ -170,3 +205,117 @@ def _vericache(hw, wl, rows_v, compression, alpha, reload_s, draft_keys) -> Pred
         if thr > best.vc_tokens_per_s or x == 1:
             best = Prediction(0, 0.0, 0.0, rows_v, x, step_v, thr, can > reloads)
     return best
+
+
+def finite_trace(hw, wl, compression, alphas, reload_fraction, draft_keys, tail_full) -> "Prediction":
+    """VeriCache over a finite trace (wl.max_rows requests of wl.new_tokens each, all there from the start), row by
+    row: each request gets its own acceptance (alphas, in admission order), rows are admitted as the budget fits them
+    (the scheduler's formula: wl.vc_row_bytes each, beside a 2-layer staging ring) after a prefill of wl.prefill_s,
+    each emits E(a, x) tokens per round of x draft steps and one verify step, the step costs what its rows ask of
+    the roofline plus the measured overheads, the link allows one reload at a time, and once nothing waits a row
+    whose full KV fits goes on on it (tail_full, lowest acceptance first). The trace's time is when its last row
+    ends: its slowest rows', which one mean acceptance hides. Best over the horizon x shared by all rows."""
+    kv_req = wl.context * wl.kv_bytes_per_token
+    per_row = wl.vc_row_bytes or compression * kv_req + wl.row_bytes
+    full_row = wl.full_row_bytes or kv_req
+    staging = wl.vc_reserve_bytes or kv_req * reload_fraction * 2 / wl.num_layers
+    slots = min(wl.max_rows, int(max(0.0, wl.budget_bytes - staging) // per_row))
+    link = hw.link_bytes_per_s * hw.devices
+    reload_s = reload_fraction * kv_req / link if link > 0 else math.inf
+    best = Prediction(0, 0.0, 0.0, slots, 1, 0.0, 0.0, False)
+    if slots < 1 or not math.isfinite(reload_s):
+        return best
+    for x in range(1, wl.k_max + 1):
+        t, steps, link_bound = _serve(
+            hw, wl, compression, alphas, x, slots, per_row, full_row, reload_s, draft_keys, tail_full
+        )
+        thr = wl.max_rows * wl.new_tokens / t
+        if thr > best.vc_tokens_per_s:
+            best = Prediction(0, 0.0, 0.0, slots, x, t / max(steps, 1e-9), thr, link_bound)
+    return best
+
+
+def _serve(hw, wl, compression, alphas, x, slots, per_row, full_row, reload_s, draft_keys, tail_full):
+    """Seconds (and steps) to serve the trace at horizon x (see finite_trace); whether the link bound it."""
+    kv_req = wl.context * wl.kv_bytes_per_token
+    queue = list(alphas)
+    rows: list[list] = []  # [acceptance, tokens left, on full KV]
+    t = steps = 0.0
+    bound = False
+    while queue or rows:
+        while queue and len(rows) < slots:
+            rows.append([queue.pop(0), float(wl.new_tokens), False])
+            t += wl.prefill_s
+        if not queue and tail_full:  # the tail: rows whose full KV fits go on on it, lowest acceptance first
+            for row in sorted((r for r in rows if not r[2]), key=lambda r: r[0]):
+                held = sum(full_row if r[2] else per_row for r in rows if r is not row)
+                if held + full_row <= wl.budget_bytes:
+                    row[2] = True
+        n = sum(not r[2] for r in rows)
+        m = len(rows) - n
+        v = n / (x + 1)  # rows verifying in a step: a round is x draft steps and one verify step
+        step = pass_s(
+            hw,
+            wl,
+            (n - v) * compression * kv_req + (v + m) * kv_req,
+            max(1, round(n + v * x + m)),
+            dense=(v * (x + 1) + m) * wl.context,
+            draft=(n - v) * draft_keys * wl.context,
+        ) + (hw.step_overhead_s + v * hw.verify_overhead_s if n else 0.0)
+        scale = 1.0
+        if n and v * reload_s > step:  # the link moves one reload at a time: rounds wait for it
+            scale, bound = step / (v * reload_s), True
+        rate = [1.0 if r[2] else scale * expected_tokens(r[0], x) / (x + 1) for r in rows]
+        dt = min(r[1] / q for r, q in zip(rows, rate))
+        for r, q in zip(rows, rate):
+            r[1] -= dt * q
+        rows = [r for r in rows if r[1] > 1e-9]
+        t += dt * step
+        steps += dt
+    return t, steps, bound
+
+
+def for_trace(engine, trace, alpha: float | Sequence[float], hw: Hardware | None = None) -> Prediction:
+    """The model for a ServingEngine's trace (its requests) on hw (default: engine.cfg.hardware): full KV against
+    VeriCache with this compressor as the pools hold it, rows sized by the scheduler's formula (engine.sizes), alpha
+    the per-row acceptance (one figure or the rows seen)."""
+    from .sequence import Sequence as Row
+
+    cfg, mc, bs = engine.cfg, engine.model.cfg, engine.cfg.block_size
+    hw = hw or cfg.hardware
+    rows = [Row(r) for r in trace]
+    ctx = statistics.fmean(len(r.prompt_ids) + r.max_new_tokens / 2 for r in trace)
+    full = engine.full_bytes_per_token
+    comp = engine.compressor
+    keys = comp.keep_count(int(ctx)) / ctx if hasattr(comp, "keep_count") else 1.0
+    if engine.packed is not None:  # codes and scales per token, against full KV
+        c = engine.sizes.block_bytes["packed"] / (bs * full)
+    else:
+        c = keys * engine.sizes.block_bytes["draft"] / engine.sizes.block_bytes["full"]
+    params = sum(p.numel() for p in engine.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    budget = (
+        cfg.budget_bytes
+        if cfg.budget_bytes is not None
+        else sum(full * (len(r.prompt_ids) + r.max_new_tokens) for r in trace)
+    )
+    k_max = max(1, min(cfg.k_max, max(r.max_new_tokens for r in trace)))  # no round drafts past the output
+    wl = Workload(
+        weights,
+        params,
+        full,
+        mc.num_layers,
+        int(ctx),
+        budget,
+        len(trace),
+        k_max,
+        attn_flops_per_pair=4 * mc.num_heads * mc.head_dim * mc.num_layers,
+        new_tokens=statistics.fmean(r.max_new_tokens for r in trace),
+        prefill_s=cfg.prefill_s,
+        vc_row_bytes=statistics.fmean(engine.sizes.resident_bytes(r, full=False) for r in rows),
+        full_row_bytes=statistics.fmean(engine.sizes.resident_bytes(r, full=True) for r in rows),
+        vc_reserve_bytes=max(engine.sizes.transient_bytes(r, full=False) for r in rows),
+    )
+    reload = 1 - keys if engine.complement else 1.0
+    tail = cfg.tail_full and not engine.complement
+    return predict(hw, wl, min(1.0, c), alpha, reload, cfg.staging_layers, min(1.0, keys), tail)

@@ -38,6 +38,9 @@ class ServingConfig(DecodeSettings):
     k_max: int = 64
     stop_at_eos: bool = False
     alpha_prior: float = 0.8  # per-draft acceptance before a row has verified (measured curve)
+    # the per-row acceptances seen before (e.g. an earlier run's rows), the capacity model's distribution until the
+    # engine has seen rows of its own (empty: alpha_prior for every row)
+    alpha_rows: tuple[float, ...] = ()
     verify_cost: float = 1.0  # a verification's cost in draft steps (horizon choice)
     staging_layers: int | None = None  # the staging ring's layers; None: as many as keep the forward from waiting
     lookahead: int = 512  # W: steps the reservation rings plan ahead
@@ -55,8 +58,13 @@ class ServingConfig(DecodeSettings):
     # KV where the model predicts VeriCache / full KV <= 1 + fallback_margin (alpha_prior: the measured
     # per-draft acceptance of the compressor)
     hardware: object | None = None
-    fallback_margin: float = 0.0
+    fallback_margin: float = 0.1  # the model's error on the 2-core CPU is about this (docs/serving.md)
     planner: bool = True  # the capacity model's decision above (needs hardware)
+    # the guard (engine/guard.py): while VeriCache rows run, their measured tokens/s against full KV's (the capacity
+    # model's full-KV rate with hardware, else what steps on full KV measured); where VeriCache is slower by more
+    # than guard_margin of it, rows move to full KV in flight, lowest acceptance first (Scheduler.move_rows)
+    guard: bool = True
+    guard_margin: float = 0.0
     prefill_s: float = 0.0  # what a VeriCache prefill adds per request on this hardware (engine/calibrate.py)
 
     def __post_init__(self):
@@ -80,6 +88,9 @@ class ServingConfig(DecodeSettings):
             raise ValueError(f"horizon must be in [1, k_max={self.k_max}], got {self.horizon!r}")
         if not 0 < self.alpha_prior < 1:
             raise ValueError(f"alpha_prior must be in (0, 1), got {self.alpha_prior}")
+        bad = next((a for a in self.alpha_rows if isinstance(a, bool) or not 0 <= a <= 1), None)
+        if bad is not None:
+            raise ValueError(f"alpha_rows must hold acceptances in [0, 1], got {bad!r}")
         if not (math.isfinite(self.verify_cost) and self.verify_cost >= 0):
             raise ValueError(f"verify_cost must be a finite number >= 0, got {self.verify_cost!r}")
         if self.staging_layers is not None and not (_is_int(self.staging_layers) and self.staging_layers >= 1):
@@ -88,6 +99,8 @@ class ServingConfig(DecodeSettings):
             hasattr(self.hardware, f) for f in ("mem_bytes_per_s", "flops", "link_bytes_per_s", "devices")
         ):
             raise ValueError(f"hardware must be an engine.capacity.Hardware, got {self.hardware!r}")
+        if not (math.isfinite(self.guard_margin) and 0 <= self.guard_margin < 1):
+            raise ValueError(f"guard_margin must be in [0, 1), got {self.guard_margin!r}")
         if not (math.isfinite(self.fallback_margin) and self.fallback_margin > -1):
             raise ValueError(f"fallback_margin must be a finite number > -1, got {self.fallback_margin!r}")
         if not (math.isfinite(self.prefill_s) and self.prefill_s >= 0):

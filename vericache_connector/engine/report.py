@@ -62,10 +62,14 @@ class RequestRecord:
 def acceptance(recs: list[RequestRecord]) -> float | None:
     """The per-draft acceptance of the trace's verified rounds, by the planner's estimator without its prior
     (planner.AcceptanceEstimate). None without a verification."""
+    return observed_alpha([n for r in recs for n in r.accepted], [k for r in recs for k in r.drafted])
+
+
+def observed_alpha(accepted: list[int], drafted: list[int]) -> float | None:
+    """Rounds' per-draft acceptance: accepted / (accepted + rounds cut short); None without a round."""
     est = AcceptanceEstimate(prior=0.5, weight=0.0)
-    for r in recs:
-        for n, k in zip(r.accepted, r.drafted):
-            est.update(n, k)
+    for n, k in zip(accepted, drafted):
+        est.update(n, k)
     return est.observed
 
 
@@ -96,6 +100,10 @@ class ServingReport:
     split: TimeSplit
     served_policy: str = ""  # what served the trace: the policy, or "full" where every row was admitted on full KV
     prediction: dict | None = None  # the capacity model's prediction (ServingConfig.hardware)
+    # what a VeriCache step took beyond its roofline on ServingConfig.hardware, per step and per verification
+    # (the engine's measurement, which its next predictions use: Hardware.step_overhead_s, verify_overhead_s)
+    step_overhead_s: float | None = None
+    verify_overhead_s: float | None = None
 
     @classmethod
     def build(

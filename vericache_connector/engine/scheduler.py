@@ -107,8 +107,9 @@ class Scheduler:
     # ---- admission ----
     def admit(self) -> None:
         """Admit waiting requests in arrival order while their blocks, their prefill, the staging already
-        planned and (VeriCache) their reloads fit; on full KV under the full policy or while `fallback` is set."""
-        while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_rows:
+        planned and (VeriCache) their reloads fit; on full KV under the full policy or while `fallback` is set.
+        Not while paused rows wait to resume (they came first)."""
+        while self.waiting and not self.paused and len(self.running) + len(self.prefilling) < self.cfg.max_rows:
             seq = self.waiting[0]
             full = self.cfg.policy == "full" or (self.vericache and self.fallback and self.fits_full(seq))
             need = self.sizes.resident_blocks(seq, full)
@@ -125,7 +126,6 @@ class Scheduler:
             seq.blocks = {pool: self.blocks.allocate(pool, n) for pool, n in need.items()}
             seq.phase, seq.full_kv = Phase.PREFILL, full
             self.prefilling.append(seq)
-        self.peak_rows = max(self.peak_rows, len(self.running) + len(self.prefilling))
 
     def _link_admits(self, seq: Sequence) -> bool:
         """Would the link keep up with one more row's reloads at the longest horizon (one reload of every
@@ -260,15 +260,16 @@ class Scheduler:
         running row (after planning rounds and putting the reloads that are due on the link)."""
         while self.arrivals and self.arrivals[0].arrival_s <= now:
             self.waiting.append(self.arrivals.pop(0))
+        if self.fallback and self.link is not None:
+            self.move_rows()
         self.admit()
+        self.peak_rows = max(self.peak_rows, len(self.running) + len(self.prefilling))
         if self.prefilling:
             seq = self.prefilling.popleft()
             seq.admitted_s = now
             self.blocks.hold(self.sizes.prefill_bytes(seq, seq.full_kv))  # its layer of full KV, until postprocess
             return Batch(prefill=seq)
         if self.link is not None:
-            if self.fallback:
-                self.move_rows()
             for seq in self.running:
                 if seq.verify_step is None and seq.phase in (Phase.DRAFTING, Phase.RELOADING):
                     self.plan(seq)
@@ -384,8 +385,8 @@ class Scheduler:
             for other in reversed(rows):  # highest acceptance first
                 if self.blocks.fits(need - sum(self._compressed_bytes(o) for o in pause)):
                     break
-                if other is not seq and other in self.running and other.reload is None:
-                    pause.append(other)
+                if other is not seq and other in self.running and other.reload is None and self.fits_full(other):
+                    pause.append(other)  # (only a row that can resume on full KV)
             if not self.blocks.fits(need - sum(self._compressed_bytes(o) for o in pause)):
                 continue
             for other in pause:

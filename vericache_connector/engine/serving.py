@@ -23,7 +23,6 @@ do).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 import warnings
 
@@ -36,16 +35,18 @@ from ..model.sampling import sample, verify
 from . import capacity
 from .block_manager import BlockManager, KVPool, PackedPool
 from .config import ServingConfig
+from .guard import Guard
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
 from .model_runner import Batch, ModelRunner, Prefilled, Sampled, Segment
 from .prompt_kv import PromptPlacer, gather
-from .report import ServingReport, TimeSplit
+from .report import ServingReport, TimeSplit, observed_alpha
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .sizes import RowSizes
 
+SEEN_ROWS = 256  # the acceptances of the last rows seen, for the capacity model
 STALL_LIMIT_S = 5.0  # idle with nothing to wait for this long: raise instead of spinning
-RELOADS_STAGED = 3  # staging areas the full pool has room for at once (the budget decides how many are used)
+RELOADS_STAGED = 2  # staging areas the full pool is made with (the budget decides how many are used; it grows)
 MODEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -75,6 +76,21 @@ class ServingEngine:
             cfg, self._block_bytes(), mc.num_layers, self.full_bytes_per_token, self.draft_lens, self.complement
         )
         self.acceptance = None  # acceptance(seq, k) -> accepted count: replayed acceptance (see run)
+        # what this engine has seen, across runs, for the capacity model: the acceptance of each VeriCache row that
+        # verified (its rounds' own, AcceptanceEstimate.observed), and what its steps cost beyond their roofline
+        # ((per step, per verification) seconds; measured with cfg.hardware)
+        self.seen_alphas: list[float] = []
+        self.overhead: tuple[float, float] | None = None
+        params = list(model.parameters())
+        self._step_wl = capacity.Workload(
+            sum(p.numel() * p.element_size() for p in params),
+            sum(p.numel() for p in params),
+            self.full_bytes_per_token,
+            mc.num_layers,
+            0,
+            0,
+            attn_flops_per_pair=4 * mc.num_heads * mc.head_dim * mc.num_layers,
+        )
         self._reset()
 
     def _block_bytes(self) -> dict[str, int]:
@@ -95,6 +111,7 @@ class ServingEngine:
         self.seqs: list[Sequence] = []
         self.scheduler = self.pools = self.link = self.runner = self.prediction = None
         self.split, self.reload_failures, self._stalled_s, self.t0 = TimeSplit(), 0, 0.0, None
+        self.guard, self._full_rate, self.guard_tripped_s = Guard(self.cfg.guard_margin), None, None
 
     def _complement(self) -> bool:
         """Reload only what the draft pool lacks (token dropping, the kept positions held in the model's dtype)?"""
@@ -184,32 +201,41 @@ class ServingEngine:
                 )
 
     def _pools(self, seqs: list[Sequence]) -> dict[str, KVPool]:
-        """The pools' physical blocks: as many as the budget can pay for (all of the trace's demand without a
-        budget), plus, for VeriCache, whole staging areas for a few reloads (a staging ring holds a prompt's
-        blocks in every layer of the pool's layout, while the budget counts only the ring's layers)."""
+        """The pools' physical blocks for the requests known now: in each pool what their rows could hold at once
+        (on full KV or VeriCache, whichever holds more there), up to what the budget pays for, plus, for
+        VeriCache, whole staging areas for a few reloads (a staging ring holds a prompt's blocks in every layer of
+        the pool's layout, while the budget counts only the ring's layers). A pool that turns out short grows
+        (BlockManager.allocate)."""
         mc, bs, dev = self.model.cfg, self.cfg.block_size, self.model.device
         shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)
-        demand = sum(
-            self.full_bytes_per_token * (s.prompt_len + s.request.max_new_tokens + self.cfg.k_max + bs) for s in seqs
-        )  # (later requests that need more: the pools grow, BlockManager.allocate)
-        cap = demand if self.cfg.budget_bytes is None else self.cfg.budget_bytes
+        vc = self.cfg.policy == "vericache"
+        wants = {}
+        for s in seqs:
+            rows = [self.sizes.resident_blocks(s, self.cfg.policy == "full")]
+            if vc:
+                rows.append(self.sizes.resident_blocks(s, True))
+            for row in rows:
+                for name, n in row.items():
+                    wants[name] = wants.get(name, 0) + n
+        if self.complement:  # the kept positions are full-pool blocks too
+            wants["full"] = wants.get("full", 0) + wants.pop("draft", 0)
         dtypes = {"full": self.full_dtype, "draft": self.cfg.draft_dtype}
-        names = {"full": ["full"], "lossy": ["draft"], "vericache": ["draft", "full"]}[self.cfg.policy]
         pools = {}
-        if self.packed is not None:  # the quantized prompts' codes: as many blocks as the budget pays for
-            per_block = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs)
-            blocks = cap // per_block + len(seqs) + 2
-            pools["packed"] = PackedPool(
-                "packed", mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, self.packed, blocks, dev
-            )
-        for name in names:
-            per_block = mc.kv_bytes_per_token(getattr(torch, dtypes[name]).itemsize) * bs
-            blocks = cap // per_block + len(seqs) + 2
-            if self.cfg.policy == "vericache" and name == "full":
+        for name in {"full": ["full"], "lossy": ["draft"], "vericache": ["draft", "full"]}[self.cfg.policy] + (
+            ["packed"] if self.packed is not None else []
+        ):
+            cap = wants.get(name, 0)
+            if self.cfg.budget_bytes is not None:
+                cap = min(cap, self.cfg.budget_bytes // self.sizes.block_bytes[name])
+            blocks = cap + len(seqs) + 2
+            if vc and name == "full":
                 blocks += RELOADS_STAGED * max((s.prompt_len // bs for s in seqs), default=0)
-            if name == "draft" and self.complement:  # one pool: a verification attends kept + reloaded in one pass
-                continue
-            pools[name] = KVPool(name, *shape, dtypes[name], blocks, dev)
+            if name == "packed":  # the quantized prompts' codes
+                pools[name] = PackedPool(
+                    name, mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, self.packed, blocks, dev
+                )
+            elif not (name == "draft" and self.complement):  # complement: one pool, kept + reloaded in one pass
+                pools[name] = KVPool(name, *shape, dtypes[name], blocks, dev)
         if self.complement:
             pools["draft"] = pools["full"]
         return pools
@@ -239,8 +265,8 @@ class ServingEngine:
         if batch.empty:
             self._idle()
             return []
+        t = time.perf_counter()
         if batch.prefill is not None:
-            t = time.perf_counter()
             result, compute_s = self._prefill(batch.prefill), 0.0
             self.split.prefill_s += time.perf_counter() - t
         else:
@@ -249,6 +275,15 @@ class ServingEngine:
                 return []
             result, compute_s = got
         emitted = self.scheduler.postprocess(batch, result, self.now(), compute_s)
+        if batch.prefill is None:  # the guard's measurement: what this step took and emitted
+            dt, kinds = time.perf_counter() - t, [seg.kind for seg in batch.segments]
+            if "draft" in kinds or "verify" in kinds:
+                self.guard.observe(dt, sum(n for _, n in emitted), kinds.count("verify"))
+            else:
+                self.guard.observe_full(len(kinds), dt)
+        for seq, _ in emitted:
+            if seq.finished_s is not None and seq.drafted:
+                self.seen_alphas = (self.seen_alphas + [observed_alpha(seq.accepted, seq.drafted)])[-SEEN_ROWS:]
         return [(seq.request_id, seq.output[len(seq.output) - n :]) for seq, n in emitted if n]
 
     def run(self, trace: list[Request], on_tokens=None, acceptance=None) -> ServingReport:
@@ -278,6 +313,7 @@ class ServingEngine:
         )
         if self.prediction is not None:
             rep.prediction = {**dataclasses.asdict(self.prediction), "speedup": self.prediction.speedup}
+        rep.step_overhead_s, rep.verify_overhead_s = self.overhead or (None, None)
         return rep
 
     def close(self) -> None:
@@ -299,56 +335,34 @@ class ServingEngine:
         self.t0 = time.perf_counter()
 
     def _decide(self) -> None:
-        """Before VeriCache rows run (none admitted yet, requests waiting or to arrive), the planner: where the
-        capacity model (cfg.hardware) predicts that VeriCache does not beat full KV for them, they are admitted on
-        full KV (Scheduler.fallback)."""
+        """Where VeriCache does not pay, rows go on full KV (Scheduler.fallback). Before VeriCache rows run (nothing
+        admitted, requests waiting or to arrive), the planner: the capacity model (cfg.hardware) for those requests;
+        where it predicts VeriCache / full KV <= 1 + cfg.fallback_margin, they are admitted on full KV. While they
+        run, the guard (guard.py): where their measured rate is below full KV's, rows move to full KV."""
         s, cfg = self.scheduler, self.cfg
-        if cfg.policy != "vericache" or cfg.hardware is None or not cfg.planner:
+        if cfg.policy != "vericache":
             return
-        if s.running or s.prefilling or s.paused or not (s.waiting or s.arrivals):
+        if not (s.running or s.prefilling or s.paused):
+            self.guard.reset()
+            s.fallback = False
+            if cfg.hardware is not None and (s.waiting or s.arrivals):
+                pred = self.predict([q.request for q in list(s.waiting) + s.arrivals])
+                s.fallback = cfg.planner and pred.speedup <= 1 + cfg.fallback_margin
+                self.prediction, self._full_rate = self.prediction or pred, pred.full_tokens_per_s
             return
-        pred = self.predict([q.request for q in list(s.waiting) + s.arrivals])
-        s.fallback = pred.speedup <= 1 + cfg.fallback_margin
-        self.prediction = self.prediction or pred
+        rows = [q for q in s.running if not q.full_kv]
+        reload_s = max((s.reload_seconds(q) for q in rows), default=0.0)
+        if cfg.guard and not s.fallback and self.guard.loses(rows, self._full_rate, reload_s):
+            s.fallback, self.guard_tripped_s = True, self.now()
 
     def predict(self, trace: list[Request]) -> capacity.Prediction:
-        """The capacity model (engine/capacity.py) for this trace on cfg.hardware: full KV against VeriCache with
-        this compressor as the pools hold it (resident bytes per token) and cfg.alpha_prior as its acceptance."""
-        cfg, mc, bs = self.cfg, self.model.cfg, self.cfg.block_size
-        ctx = statistics.fmean(len(r.prompt_ids) + r.max_new_tokens / 2 for r in trace)
-        full = self.full_bytes_per_token
-        draft = mc.kv_bytes_per_token(getattr(torch, cfg.draft_dtype).itemsize) / full
-        keys = self.compressor.keep_count(int(ctx)) / ctx if hasattr(self.compressor, "keep_count") else 1.0
-        if self.packed is not None:
-            c = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs) / (bs * full)
-        else:
-            c = keys * draft
-        r = 1 - keys if self.complement else 1.0
-        params = sum(p.numel() for p in self.model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        budget = (
-            cfg.budget_bytes
-            if cfg.budget_bytes is not None
-            else sum(full * (len(t.prompt_ids) + t.max_new_tokens) for t in trace)
-        )
-        k_max = max(1, min(cfg.k_max, max(r.max_new_tokens for r in trace)))  # no round drafts past the output
-        pair = 4 * mc.num_heads * mc.head_dim * mc.num_layers  # FLOPs of one query against one key
-        # besides its compressed prompt a row holds (Scheduler.resident_blocks) its emitted tokens and a round's
-        # drafts in both pools, each pool's last block half empty on average
-        new = statistics.fmean(r.max_new_tokens for r in trace)
-        row = (new + cfg.k_max + 2 + bs / 2) * (full + draft * full * (not self.complement))
-        wl = capacity.Workload(
-            weights, params, full, mc.num_layers, int(ctx), budget, len(trace), k_max, pair, row, new, cfg.prefill_s
-        )
-        return capacity.predict(
-            cfg.hardware,
-            wl,
-            min(1.0, c),
-            cfg.alpha_prior,
-            r,
-            staging_layers=cfg.staging_layers,
-            draft_keys=min(1.0, keys),
-        )
+        """The capacity model (engine/capacity.py) for these requests on cfg.hardware, with the acceptance of the
+        rows this engine has seen (else cfg.alpha_rows, else cfg.alpha_prior) and the overheads it measured."""
+        hw = self.cfg.hardware
+        if self.overhead is not None:
+            hw = dataclasses.replace(hw, step_overhead_s=self.overhead[0], verify_overhead_s=self.overhead[1])
+        alphas = self.seen_alphas or list(self.cfg.alpha_rows) or self.cfg.alpha_prior
+        return capacity.for_trace(self, trace, alphas, hw)
 
     def now(self) -> float:
         """Seconds on the engine's clock (0 until the first step)."""
@@ -425,6 +439,8 @@ class ServingEngine:
             return None
         self._stalled_s = 0.0
         self.split.add_step({s.kind for s in batch.segments}, dt, wait)
+        if self.cfg.hardware is not None and self.cfg.policy == "vericache":
+            self._measure_overhead(batch.segments, dt - wait)
         out = {}
         for seg in batch.segments:
             lg, seq = logits[id(seg.seq)], seg.seq
@@ -445,6 +461,30 @@ class ServingEngine:
                 self._keep_exact(seg, n + 1)
             out[id(seq)] = Sampled(token, accepted=n)
         return out, dt - wait
+
+    def _measure_overhead(self, segments: list[Segment], compute_s: float) -> None:
+        """What a step with VeriCache rows took beyond its roofline (capacity.pass_s at this step's shape, on
+        cfg.hardware): EMAs over steps without a verification, and per verification over the steps with some."""
+        if not any(seg.kind in ("draft", "verify") for seg in segments):
+            return
+        per = {p: b / self.cfg.block_size for p, b in self.sizes.block_bytes.items()}
+        kv = tokens = dense = draft = verifies = 0
+        for seg in segments:
+            q, n = len(seg.tokens), seg.start + len(seg.tokens)
+            tokens += q
+            if seg.pool == "full":
+                dense, kv, verifies = dense + q * n, kv + n * per["full"], verifies + (seg.kind == "verify")
+            else:
+                draft += q * (n + seg.packed_len)
+                kv += n * per["draft"] + seg.packed_len * per.get("packed", 0)
+        left = compute_s - capacity.pass_s(self.cfg.hardware, self._step_wl, kv, tokens, dense, draft)
+        step, verify = self.overhead or (None, 0.0)
+        if not verifies:
+            step = left if step is None else 0.8 * step + 0.2 * left
+        elif step is not None:
+            verify = 0.8 * verify + 0.2 * (left - step) / verifies
+        if step is not None:
+            self.overhead = (step, verify)
 
     def _keep_exact(self, seg: Segment, keep: int) -> None:
         """The draft cache gets the exact KV of pending + the accepted drafts, from the verify pass."""
@@ -479,6 +519,7 @@ class ServingEngine:
         if reload is not None:
             reload.layer_ready[-1].wait(0.5)
             self.split.link_wait_s += time.perf_counter() - t
+            self.guard.observe(time.perf_counter() - t, 0, 0)
             return
         if sched.arrivals:
             delay = sched.arrivals[0].arrival_s - self.now()
