@@ -31,6 +31,7 @@ PCIE_EFF, C2C_EFF = 0.8, 0.9
 # (memory bandwidth B/s, dense bf16 FLOP/s, memory bytes, effective host link B/s) per device
 GPUS = {
     "H100 NVL": C.Hardware("H100 NVL (PCIe 5)", 3.9e12, 835e12, 94e9, 64e9 * PCIE_EFF),
+    "H100": C.Hardware("H100 SXM 80GB (PCIe 5)", 3.35e12, 989e12, 80e9, 64e9 * PCIE_EFF),
     "H200": C.Hardware("H200 (PCIe 5)", 4.8e12, 989e12, 141e9, 64e9 * PCIE_EFF),
     "GH200": C.Hardware("GH200 144GB (NVLink-C2C)", 4.9e12, 989e12, 144e9, 450e9 * C2C_EFF),
     "L40S": C.Hardware("L40S (PCIe 4)", 0.864e12, 362e12, 48e9, 32e9 * PCIE_EFF),

@@ -9,7 +9,11 @@ compressed KV in HBM, the full KV in pinned host memory reloaded over PCIe (cuda
 an event per layer) for each verification. Random weights draft nonsense, so acceptance is REPLAYED: each
 verification accepts what the real model accepted in the matching round of a trace measured on the CPU
 (results/acceptance/<stamp>/traces.json, or a serving run's per-round counts; the source is printed). Outputs are
-therefore not meaningful and not checked here; exactness is checked on the CPU with the real model.
+therefore not meaningful and not checked here; exactness is checked on the CPU with the real model. Each
+VeriCache row carries the capacity model's prediction for it (engine/capacity.for_trace on the GPU's data-sheet
+figures, benchmarks/capacity_model.GPUS, with the replayed rows' acceptance); the planner and the guard are off, so
+the rows measure VeriCache itself. The budget is a fraction of the trace's full KV, and at least one request's
+full KV (so that full KV serves it too). Each row is printed as a JSON line on stderr as soon as it is measured.
 
     python3 benchmarks/gpu_serving.py --json                      # on the GPU (~5 min; the machine's own python3)
     python benchmarks/gpu_serving.py --smoke --json               # a tiny dry run on the CPU (tests do this)
@@ -20,6 +24,8 @@ Exit code 0 when every kernel case matched its reference and every run finished,
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import glob
 import json
 import math
@@ -60,7 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--requests", type=int, nargs="+", default=[8, 3], help="requests per context (same order)")
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--budget", type=float, default=0.25, help="fraction of the trace's full-KV demand")
+    p.add_argument(
+        "--budget", type=float, default=0.25, help="fraction of the trace's full-KV demand (at least one request's)"
+    )
     p.add_argument(
         "--compressors",
         nargs="+",
@@ -120,6 +128,20 @@ class Replay:
         i = self.at.get(rid, 0)
         self.at[rid] = i + 1
         return min(k, trace[i % len(trace)])
+
+
+def row_alphas(rounds: list[list[int]], n: int) -> list[float]:
+    """The per-draft acceptance of the n requests' replayed rounds (Replay's order), each round taken as cut short."""
+    seqs = [rounds[i % len(rounds)] for i in range(n)]
+    return [min(0.999, sum(r) / (sum(r) + len(r))) for r in seqs]
+
+
+def gpu_figures(device: str):
+    """The capacity model's figures for this GPU (capacity_model.GPUS by name; an H200's for a CPU dry run)."""
+    from capacity_model import GPUS
+
+    name = __import__("torch").cuda.get_device_name() if device == "cuda" else "H200"
+    return next((hw for key, hw in GPUS.items() if key.split()[0] in name), GPUS["H200"])
 
 
 def build(smoke: bool, device: str, dtype):
@@ -237,6 +259,7 @@ def main(argv=None) -> int:
     bench_paths.setup()
     import torch
 
+    from vericache_connector.engine import capacity
     from vericache_connector.engine.config import ServingConfig
     from vericache_connector.engine.sequence import Request
     from vericache_connector.engine.serving import ServingEngine
@@ -260,34 +283,56 @@ def main(argv=None) -> int:
         cfg = ServingConfig(policy=policy, compressor=comp or "snapkv-4x", k_max=8, draft_dtype=draft_dtype)
         ServingEngine(model, cfg).run(warm)
     rows, sources = [], {}
+    hw = gpu_figures(device)
+    if args.link_gbps is not None:
+        hw = dataclasses.replace(hw, link_bytes_per_s=args.link_gbps * 1e9)
     for ctx, n in zip(contexts, counts):
         g = torch.Generator().manual_seed(ctx)
         prompts = [torch.randint(0, mc.vocab_size, (ctx,), generator=g).tolist() for _ in range(n)]
         new = 8 if args.smoke else args.new
         demand = sum((len(p) + new) * per_token for p in prompts)
+        one = (ctx + new + 1 + 128) * per_token  # one request's full KV, block-rounded up
         for policy, comp in [("full", None)] + [("vericache", c) for c in args.compressors]:
             cfg = ServingConfig(
                 policy=policy,
-                budget_bytes=int(budget * demand),
+                budget_bytes=int(max(budget * demand, one)),
                 compressor=comp or "snapkv-4x",
                 k_max=args.k_max,
                 obs_window=32,
                 draft_dtype=draft_dtype,
                 link_bytes_per_s=None if args.link_gbps is None else args.link_gbps * 1e9,
+                planner=False,
+                guard=False,
             )
             replay = load_rounds(args.traces, comp) if comp else {"source": "-", "rounds": [[0]]}
             sources[comp or "full"] = replay["source"]
             reqs = [Request(f"c{ctx}-{i}", p, new) for i, p in enumerate(prompts)]
             if device == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()  # the last run's pools: each run sizes its own
                 torch.cuda.synchronize()
             engine = ServingEngine(model, cfg)
-            rep = engine.run(reqs, acceptance=Replay(replay["rounds"]))
+            try:
+                rep = engine.run(reqs, acceptance=Replay(replay["rounds"]))
+            except Exception as e:  # one failing run (out of memory, say) never stops the others
+                rows.append(dict(policy=policy, compressor=comp, context=ctx, error=f"{type(e).__name__}: {e}"[:500]))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+                continue
             row = {k: v for k, v in rep.summary().items() if k != "split"}
             row.update(vars(rep.split), policy=policy, compressor=comp, context=ctx, requests=n, demand_bytes=demand)
             row.update(
                 step_times(rep.split), draft_layout="packed" if engine.packed else "paged", complement=engine.complement
             )
+            if comp:  # the capacity model for this run, on the GPU's figures and the replayed acceptance
+                pred = capacity.for_trace(engine, reqs, row_alphas(replay["rounds"], n), hw)
+                row.update(
+                    model_hardware=hw.name,
+                    predicted_speedup=pred.speedup,
+                    predicted_vc_tokens_per_s=pred.vc_tokens_per_s,
+                    predicted_full_tokens_per_s=pred.full_tokens_per_s,
+                )
             rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if not isinstance(v, (dict, list))}), file=sys.stderr)
             print(
                 f"ctx {ctx} {policy} {comp or ''}: {rep.tokens_per_s:.1f} tok/s, {rep.verifications} verifications, "
                 f"link {rep.link_utilization:.0%}, peak {rep.peak_resident_bytes / 2**30:.2f} GiB, "
@@ -295,10 +340,14 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
     for r in rows:
-        base = next(b for b in rows if b["context"] == r["context"] and b["policy"] == "full")
-        r["ratio_vs_full"] = r["tokens_per_s"] / base["tokens_per_s"]
+        base = next(
+            (b for b in rows if b["context"] == r["context"] and b["policy"] == "full" and "error" not in b), None
+        )
+        ok = base is not None and "error" not in r
+        r["ratio_vs_full"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
     doc = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+        "model_hardware": vars(hw),
         "kernels": kernels,
         "kernels_ok": all(k["ok"] for k in kernels),
         "acceptance": sources,
@@ -314,11 +363,15 @@ def main(argv=None) -> int:
         for k in kernels:
             print(f"{k['case']:>40} {'ok' if k['ok'] else 'FAILED'} {k.get('ms', float('nan')):8.3f} ms")
         for r in rows:
+            if "error" in r:
+                print(f"{r['context']:>7} {r['policy']:>9} {r['compressor'] or '':>10} {r['error']}")
+                continue
+            pred = f"  (model {r['predicted_speedup']:.2f}x)" if "predicted_speedup" in r else ""
             print(
                 f"{r['context']:>7} {r['policy']:>9} {r['compressor'] or '':>10} {r['tokens_per_s']:8.1f} tok/s  "
-                f"x{r['ratio_vs_full']:.2f}"
+                f"x{r['ratio_vs_full']:.2f}{pred}"
             )
-    ok = doc["kernels_ok"] and all(math.isfinite(r["tokens_per_s"]) for r in rows)
+    ok = doc["kernels_ok"] and all("error" not in r and math.isfinite(r["tokens_per_s"]) for r in rows)
     return 0 if ok else 1
 
 

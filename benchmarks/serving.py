@@ -24,6 +24,7 @@ throughput is its output tokens over its wall time (prefill replay, compression 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -49,23 +50,23 @@ def parse_args(argv=None):
     from vericache_connector.engine.config import POLICIES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=8, help="requests in the trace")
+    p.add_argument("--requests", type=int, default=6, help="requests in the trace")
     p.add_argument("--min-tokens", type=int, default=4096, help="shortest prompt")
-    p.add_argument("--max-tokens", type=int, default=7168, help="longest prompt")
-    p.add_argument("--new", type=int, default=128, help="new tokens per request")
+    p.add_argument("--max-tokens", type=int, default=6144, help="longest prompt")
+    p.add_argument("--new", type=int, default=64, help="new tokens per request")
     p.add_argument(
         "--budgets",
         type=float,
         nargs="*",
-        default=[0.2, 0.25, 0.35, 0.5, 0.75],
+        default=[0.1, 0.15, 0.2, 0.25, 0.35, 0.5],
         help="(b) budget fractions of the trace's full-KV demand",
     )
     p.add_argument(
         "--rates",
         type=float,
         nargs="*",
-        default=[0.05, 0.2],
-        help="(a) Poisson arrival rates, requests/s (at --rate-budget)",
+        default=[],
+        help="(a) Poisson arrival rates, requests/s (at --rate-budget; none by default)",
     )
     p.add_argument("--rate-budget", type=float, default=0.25)
     p.add_argument(
@@ -73,14 +74,14 @@ def parse_args(argv=None):
         type=float,
         nargs="*",
         default=[0.08],
-        help="(c) VeriCache at --rate-budget with these host links too, GB/s (0.08: the H200's HBM:PCIe "
-        "ratio on this CPU; --link-gbps 0.5: GH200's C2C ratio; see the README)",
+        help="(c) VeriCache at every budget with these host links too, GB/s (0.08: the H200's HBM:PCIe "
+        "ratio on this CPU; --link-gbps 0.5: GH200's C2C ratio; see docs/serving.md)",
     )
     p.add_argument("--link-gbps", type=float, default=0.5, help="emulated host link, GB/s")
     p.add_argument("--compressor", default="snapkv-4x")
     p.add_argument("--k-max", type=int, default=64)
     p.add_argument("--alpha", type=float, default=0.8, help="prior per-draft acceptance (measured curve)")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--policies", nargs="+", default=["full", "vericache"], choices=POLICIES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
@@ -98,17 +99,23 @@ def parse_args(argv=None):
     p.add_argument("--ngram", type=int, default=8, help="--kinds: n-gram tokens proposed per draft step")
     p.add_argument("--draft-dtype", default="float16", help="the draft pool's dtype (float32: complement reloads)")
     p.add_argument(
-        "--fallback",
-        nargs="?",
-        const="on",
-        choices=["on", "both"],
-        default=None,
-        help="VeriCache runs ask the capacity model (engine/capacity.py, with this CPU's figures calibrated from "
-        "the budget's full-KV run and --alpha as the acceptance) and serve full KV where it predicts a loss; "
-        "'both': each VeriCache row runs without the model, then with it, given the acceptance that row measured "
-        "(its prediction and what it served)",
+        "--planner",
+        choices=["on", "off", "both"],
+        default="both",
+        help="VeriCache with the planner and the guard on (the engine's default: the capacity model, with this CPU's "
+        "figures calibrated from the budget's full-KV run, admits rows on full KV where it predicts VeriCache does "
+        "not pay, and the guard moves rows to full KV where their measured rate loses), off, or both: off first, "
+        "then on, given the per-row acceptance and the step overheads the run without them measured",
+    )
+    p.add_argument("--fallback", choices=["on", "both"], nargs="?", const="on", help=argparse.SUPPRESS)  # old name
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.1,
+        help="the planner serves VeriCache only where it predicts at least 1 + this x full KV (the engine's default)",
     )
     args = p.parse_args(argv)
+    args.planner = args.fallback or args.planner
     if not 0 < args.min_tokens <= args.max_tokens:
         p.error(f"need 0 < --min-tokens <= --max-tokens, got {args.min_tokens}, {args.max_tokens}")
     if any(not 0 < b <= 1 for b in args.budgets + [args.rate_budget]):
@@ -154,9 +161,25 @@ def trace(prompts, new: int, rate: float | None, seed: int):
 
 
 def run_one(
-    model, policy, budget, args, reqs, refs, store, label, link_gbps=None, hardware=None, prefill_s=0.0, alpha=None
+    model,
+    policy,
+    budget,
+    args,
+    reqs,
+    refs,
+    store,
+    label,
+    link_gbps=None,
+    hardware=None,
+    prefill_s=0.0,
+    guarded=False,
+    alpha_rows=(),
 ):
+    """One run of the trace; guarded: the planner and the guard on (they act with hardware), else both off (the
+    capacity model then only predicts, and the engine measures its overheads). A budget too small for even one
+    request: a row that says so (fits False)."""
     from vericache_connector.engine.config import ServingConfig
+    from vericache_connector.engine.report import observed_alpha
     from vericache_connector.engine.serving import ServingEngine
 
     cfg = ServingConfig(
@@ -167,25 +190,33 @@ def run_one(
         compressor=args.compressor,
         k_max=args.k_max,
         link_bytes_per_s=(link_gbps or args.link_gbps) * 1e9,
-        alpha_prior=args.alpha if alpha is None else alpha,
+        alpha_prior=args.alpha,
+        alpha_rows=tuple(alpha_rows),
         draft_dtype=args.draft_dtype,
+        planner=guarded,
+        guard=guarded,
+        fallback_margin=args.margin,
     )
+    base = dict(policy=policy, requests=len(reqs), link_gbps=link_gbps or args.link_gbps, capacity_model=guarded)
     total = sum(r.max_new_tokens for r in reqs)
     load0 = os.getloadavg()[0]
-    with tqdm(total=total, desc=label, unit="tok", leave=False) as bar:
-        rep = ServingEngine(model, cfg, store).run(reqs, on_tokens=bar.update)
+    try:
+        with tqdm(total=total, desc=label, unit="tok", leave=False) as bar:
+            rep = ServingEngine(model, cfg, store).run(reqs, on_tokens=bar.update)
+    except ValueError as e:  # the budget holds not even one request this way
+        return {**base, "fits": False, "error": str(e), "identical": True, "identical_n": 0, "tokens_per_s": 0.0}
     load = (load0 + os.getloadavg()[0]) / 2  # other work on the machine during the run (same-run ratios)
     outs = rep.outputs()
     same = sum(outs[r.request_id] == refs[r.request_id] for r in reqs)
     row = {k: v for k, v in rep.summary().items() if k != "split"}
     row.update({f"{k}": v for k, v in vars(rep.split).items()})
     row.update(
-        policy=policy,
+        base,
+        fits=True,
         identical_n=same,
-        requests=len(reqs),
-        link_gbps=link_gbps or args.link_gbps,
         load_avg=load,
         accepted_per_request={r.request_id: r.accepted for r in rep.requests} if policy == "vericache" else {},
+        row_alphas=[observed_alpha(r.accepted, r.drafted) for r in rep.requests if r.drafted],
         served_policy=rep.served_policy,
         predicted_speedup=None if rep.prediction is None else rep.prediction["speedup"],
         prediction=rep.prediction,
@@ -275,9 +306,10 @@ def main(argv=None) -> int:
     for policy in args.policies:
         run_one(model, policy, None, args, warm, {r.request_id: [] for r in warm}, {}, f"warm-up {policy}")
     rows = []
-    flops = cpu_flops(model) if args.fallback else None
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.planner]
+    flops = cpu_flops(model) if "vericache" in args.policies else None
     rates, pre_s = None, 0.0
-    if args.fallback:  # the attention kernels as the VeriCache rows run them, timed at the trace's mean prompt
+    if flops:  # the attention kernels as the VeriCache rows run them, timed at the trace's mean prompt
         from vericache_connector.engine.calibrate import attention_rates, prefill_seconds
         from vericache_connector.engine.config import ServingConfig
 
@@ -289,11 +321,11 @@ def main(argv=None) -> int:
             f"prefill adds {pre_s:.2f} s",
             file=sys.stderr,
         )
-    grid = (
-        [("budget", b, None, None) for b in args.budgets]
-        + [("rate", args.rate_budget, r, None) for r in args.rates]
-        + [("link", args.rate_budget, None, g) for g in args.links]
-    )
+    grid = [
+        g
+        for b in sorted(args.budgets, reverse=True)  # the largest first: its full-KV run calibrates the CPU's figures
+        for g in [("budget", b, None, None)] + [("link", b, None, x) for x in args.links]
+    ] + [("rate", args.rate_budget, r, None) for r in args.rates]
     context = dict(demand=demand, prompts=prompts, prefill_s=prefill_s, cmd=cmd, threads=torch.get_num_threads())
     for kind, frac, rate, link in grid:
         reqs = trace(prompts, args.new, rate, args.seed)
@@ -301,20 +333,19 @@ def main(argv=None) -> int:
             if kind == "link" and policy != "vericache":  # only VeriCache uses the link: its baseline is the budget row
                 continue
             label = f"{kind} {frac:g}{'' if rate is None else f' @ {rate:g}/s'}{'' if link is None else f' {link:g} GB/s'} {policy}"
-            modes = [False]
-            if policy == "vericache" and args.fallback:
-                modes = [False, True] if args.fallback == "both" else [True]
-            for planned in modes:
-                hw, alpha = None, args.alpha
-                if planned:  # the CPU's figures from this budget's full-KV run
-                    base = next((r for r in rows if r["policy"] == "full" and r["budget_fraction"] == frac), None)
-                    hw = (
-                        None
-                        if base is None
-                        else cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops, rates)
-                    )
-                    if len(modes) == 2 and rows[-1].get("alpha"):  # the acceptance the row just run measured
-                        alpha = min(0.999, rows[-1]["alpha"])
+            for guarded in modes if policy == "vericache" else [False]:
+                hw, seen = None, []
+                if policy == "vericache":  # the CPU's figures from this budget's full-KV run (or the last that ran)
+                    fulls = [r for r in rows if r["policy"] == "full" and r.get("fits")]
+                    base = next((r for r in fulls if r["budget_fraction"] == frac), fulls[-1] if fulls else None)
+                    if base is not None:
+                        hw = cpu_hardware(base, model, prompts, (link or args.link_gbps) * 1e9, flops, rates)
+                    off = rows[-1] if guarded and len(modes) == 2 else None  # what the unguarded run just measured
+                    if hw is not None and off is not None and off.get("step_overhead_s") is not None:
+                        hw = dataclasses.replace(
+                            hw, step_overhead_s=off["step_overhead_s"], verify_overhead_s=off["verify_overhead_s"]
+                        )
+                    seen = off.get("row_alphas", []) if off is not None else []
                 row = run_one(
                     model,
                     policy,
@@ -323,19 +354,14 @@ def main(argv=None) -> int:
                     reqs,
                     refs,
                     store,
-                    label,
+                    label + (" + planner + guard" if guarded else ""),
                     link,
                     hw,
                     pre_s if hw else 0.0,
-                    alpha,
+                    guarded,
+                    seen,
                 )
-                row.update(
-                    sweep=kind,
-                    budget_fraction=frac,
-                    rate=rate,
-                    capacity_model=hw is not None,
-                    capacity_alpha=alpha if hw is not None else None,
-                )
+                row.update(sweep=kind, budget_fraction=frac, rate=rate, capacity_alpha=seen or args.alpha)
                 rows.append(row)
                 print(fmt_row(row), file=sys.stderr)
                 write(out, rows, args, context, complete=False)  # after every row: a crash keeps what was measured
@@ -448,7 +474,7 @@ def kinds_main(args, argv) -> int:
 
 def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
     """results.json and table.md of the rows so far; ratio_vs_full against the full-KV run of the same trace and
-    budget (link rows: the budget sweep's)."""
+    budget (link rows: the budget sweep's; None where full KV does not fit the budget)."""
     for row in rows:
         sweep = "budget" if row["sweep"] == "link" else row["sweep"]
         base = next(
@@ -459,10 +485,12 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
                 and r["budget_fraction"] == row["budget_fraction"]
                 and r["rate"] == row["rate"]
                 and r["policy"] == "full"
+                and r.get("fits", True)
             ),
             None,
         )
         row["ratio_vs_full"] = None if base is None else row["tokens_per_s"] / base["tokens_per_s"]
+    keys = ("tokens_per_s", "ratio_vs_full", "identical", "requests", "mean_accepted", "load_avg", "predicted_speedup")
     summary = [
         {
             "sweep": r["sweep"],
@@ -471,15 +499,11 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
             "policy": r["policy"],
             "compressor": args.compressor if r["policy"] != "full" else None,
             "link_gbps": r["link_gbps"] if r["policy"] == "vericache" else None,
-            "tokens_per_s": r["tokens_per_s"],
-            "ratio_vs_full": r["ratio_vs_full"],
-            "identical": r["identical"],
-            "requests": r["requests"],
-            "mean_accepted": r["mean_accepted"],
-            "load_avg": r["load_avg"],
+            **{k: r.get(k) for k in keys},
+            "fits": r.get("fits", True),
             "served_policy": r.get("served_policy", r["policy"]),
             "capacity_model": r.get("capacity_model", False),
-            "predicted_speedup": r.get("predicted_speedup"),
+            "moved_by_guard": r.get("moved_by_guard"),
             "alpha": r.get("alpha"),
             "capacity_alpha": r.get("capacity_alpha"),
         }
@@ -487,6 +511,7 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
     ]
     doc = {
         "summary": summary,
+        "wins": wins(rows),
         "complete": complete,
         "rows": rows,
         "demand_bytes": ctx["demand"],
@@ -505,6 +530,8 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
 
 
 def fmt_row(r) -> str:
+    if not r.get("fits", True):
+        return f"{r['sweep']} {r['budget_fraction']:g} {policy_label(r)}: does not fit ({r['error']})"
     return (
         f"{r['sweep']} {r['budget_fraction']:g} rate {r['rate']} {policy_label(r)}: {r['tokens_per_s']:.2f} tok/s, "
         f"identical {r['identical_n']}/{r['requests']}, concurrent {r['max_concurrent']}, "
@@ -513,11 +540,74 @@ def fmt_row(r) -> str:
 
 
 def policy_label(r) -> str:
-    """vericache rows asked the capacity model: its predicted speedup and what it served."""
+    """vericache rows with the planner and the guard on: the predicted speedup, what was served, rows moved."""
     if not r.get("capacity_model"):
         return r["policy"]
+    if not r.get("fits", True):
+        return f"{r['policy']} + planner + guard"
     pred = r.get("predicted_speedup")
-    return f"{r['policy']} + capacity model ({'-' if pred is None else f'{pred:.2f}x'}: served {r['served_policy']})"
+    moved = f", {r['moved_by_guard']} moved by the guard" if r.get("moved_by_guard") else ""
+    return (
+        f"{r['policy']} + planner + guard ({'-' if pred is None else f'{pred:.2f}x'}: served {r['served_policy']}"
+        f"{moved})"
+    )
+
+
+def wins(rows: list[dict]) -> list[dict]:
+    """Per budget and link: full KV, VeriCache alone and with the planner and guard, and whether VeriCache beats
+    full KV there (tokens/s ratio > 1; where full KV does not fit even one request, any VeriCache that runs)."""
+    out = []
+    for r in rows:
+        if (
+            r["policy"] != "vericache"
+            or r["sweep"] == "rate"
+            or any((o["budget_fraction"], o["link_gbps"]) == (r["budget_fraction"], r["link_gbps"]) for o in out)
+        ):
+            continue
+        same = [
+            o
+            for o in rows
+            if o["policy"] == "vericache"
+            and (o["budget_fraction"], o["link_gbps"], o["sweep"]) == (r["budget_fraction"], r["link_gbps"], r["sweep"])
+        ]
+        full = next((o for o in rows if o["policy"] == "full" and o["budget_fraction"] == r["budget_fraction"]), None)
+        entry = {"budget_fraction": r["budget_fraction"], "link_gbps": r["link_gbps"]}
+        entry["full_tokens_per_s"] = full["tokens_per_s"] if full and full.get("fits", True) else None
+        for o in same:
+            key = "guarded" if o.get("capacity_model") else "alone"
+            entry[key] = (
+                o["ratio_vs_full"] if entry["full_tokens_per_s"] else (None if not o.get("fits", True) else "∞")
+            )
+            entry[key + "_served"] = o.get("served_policy") if o.get("fits", True) else "does not fit"
+        out.append(entry)
+    return out
+
+
+def wins_table(rows: list[dict]) -> list[str]:
+    def x(v):
+        return "-" if v is None else (v if isinstance(v, str) else f"{v:.2f}x")
+
+    lines = [
+        "",
+        "Where VeriCache beats full KV (tokens/s against the full-KV run at the same budget; ∞: full KV cannot hold one "
+        "request there):",
+        "",
+        "| budget | link GB/s | full KV tok/s | VeriCache alone | VeriCache + planner + guard | served |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in wins(rows):
+        full = "does not fit" if e["full_tokens_per_s"] is None else f"{e['full_tokens_per_s']:.2f}"
+        lines.append(
+            f"| {e['budget_fraction']:g} | {e['link_gbps']:g} | {full} | {x(e.get('alone'))} | {x(e.get('guarded'))} | "
+            f"{e.get('guarded_served', e.get('alone_served', '-'))} |"
+        )
+    beats = [e for e in wins(rows) for k in ("alone", "guarded") if e.get(k) == "∞" or (e.get(k) or 0) > 1]
+    where = sorted({(e["budget_fraction"], e["link_gbps"]) for e in beats})
+    lines += ["", "VeriCache beats full KV at (budget, link GB/s): " + (", ".join(map(str, where)) or "nowhere")]
+    guarded = [e["guarded"] for e in wins(rows) if isinstance(e.get("guarded"), float)]
+    if guarded:
+        lines.append(f"With the planner and guard, VeriCache / full KV is {min(guarded):.2f}x at worst")
+    return lines
 
 
 def table(rows, args, demand, prefill_s, cmd) -> str:
@@ -535,17 +625,21 @@ def table(rows, args, demand, prefill_s, cmd) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        link = r["link_gbps"] if r["policy"] == "vericache" else "-"
+        head = f"| {r['sweep']} | {r['budget_fraction']:g} | {'-' if r['rate'] is None else r['rate']} | {link} | "
+        if not r.get("fits", True):
+            lines.append(head + f"{policy_label(r)} | does not fit the budget |" + " |" * 14)
+            continue
         ratio = "-" if r["ratio_vs_full"] is None else f"{r['ratio_vs_full']:.2f}"
         lines.append(
-            f"| {r['sweep']} | {r['budget_fraction']:g} | {'-' if r['rate'] is None else r['rate']} | "
-            f"{r['link_gbps'] if r['policy'] == 'vericache' else '-'} | {policy_label(r)} | "
+            head + f"{policy_label(r)} | "
             f"{r['tokens_per_s']:.2f} | {ratio} | {'yes' if r['identical'] else 'NO'} {r['identical_n']}/{r['requests']} | "
             f"{r['max_concurrent']} | {r['mean_latency_s']:.1f} | {r['p90_latency_s']:.1f} | {r['mean_ttft_s']:.1f} | "
             f"{r['mean_accepted']:.2f} | {r['link_utilization']:.0%} | {r['peak_resident_bytes'] / 2**20:.0f} | "
             f"{r['draft_step_s']:.1f} | {r['verify_step_s']:.1f} | {r['decode_step_s']:.1f} | {r['link_wait_s']:.1f} | "
             f"{r['idle_s']:.1f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + wins_table(rows)) + "\n"
 
 
 def plot(rows, out: Path, args) -> None:
@@ -558,7 +652,7 @@ def plot(rows, out: Path, args) -> None:
         ("budget", "budget_fraction", "device KV budget (fraction of the trace's full-KV demand)"),
         ("rate", "rate", "arrival rate (requests/s)"),
     ):
-        sel = [r for r in rows if r["sweep"] == sweep]
+        sel = [r for r in rows if r["sweep"] == sweep and r.get("fits", True)]
         if not sel:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -568,7 +662,7 @@ def plot(rows, out: Path, args) -> None:
                 key=lambda p: p[0],
             )
             xs = [x for x, _ in pts]
-            name = policy + (" + capacity model" if planned else "")
+            name = policy + (" + planner + guard" if planned else "")
             axes[0].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=name)
             axes[1].plot(xs, [r["mean_latency_s"] for _, r in pts], marker="o", label=name)
         axes[0].set_ylabel("output tokens/s")

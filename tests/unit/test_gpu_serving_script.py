@@ -26,6 +26,8 @@ def test_gpu_serving_dry_run(capsys):
     vc = {r["compressor"]: r for r in doc["rows"] if r["policy"] == "vericache"}
     assert vc["snapkv-4x"]["complement"] and vc["kivi4"]["draft_layout"] == "packed"
     assert all(r["verifications"] > 0 and r["mean_verify_step_ms"] > 0 for r in vc.values())
+    # (issue 41, item 4) each VeriCache row beside the capacity model's prediction for it (an H200's figures here)
+    assert all(r["predicted_speedup"] > 0 and r["model_hardware"].startswith("H200") for r in vc.values())
 
 
 def test_replay_follows_the_recorded_rounds():

@@ -68,4 +68,59 @@ def test_capacity_model_rows_say_what_it_predicted_and_served(tmp_path):
     summary = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert [(r["capacity_model"], r["served_policy"]) for r in summary[1:]] == [(False, "vericache"), (True, "full")]
     assert summary[2]["predicted_speedup"] == 0.8 and abs(summary[2]["ratio_vs_full"] - 0.99) < 1e-9
-    assert "vericache + capacity model (0.80x: served full)" in (tmp_path / "table.md").read_text()
+    assert "vericache + planner + guard (0.80x: served full)" in (tmp_path / "table.md").read_text()
+
+
+def test_the_sweep_says_where_vericache_beats_full_kv(tmp_path):
+    """(issue 41, item 3) Per budget and link: full KV, VeriCache alone and with the planner and guard, and where
+    VeriCache beats full KV by how much; a budget that holds no full-KV request is one VeriCache alone serves."""
+    mod = load_benchmark("serving")
+    args = argparse.Namespace(
+        link_gbps=0.5, links=[0.08], requests=6, min_tokens=4096, max_tokens=6144, new=64, compressor="kivi4", k_max=64
+    )
+    small = dict(budget_fraction=0.1, fits=False, error="more than the whole budget", tokens_per_s=0.0)
+    guarded = {**row("vericache", tps=9.9), "capacity_model": True, "predicted_speedup": 0.8, "served_policy": "full"}
+    rows = [
+        {**row("full"), **small},
+        {**row("vericache", tps=4.0), "budget_fraction": 0.1},
+        {**row("vericache"), **small, "capacity_model": True},
+        row("full", tps=10.0),
+        row("vericache", tps=7.0),
+        guarded,
+        {**row("vericache", sweep="link", link=0.08, tps=12.0), "capacity_model": True, "served_policy": "vericache"},
+    ]
+    ctx = dict(demand=1, prompts=[[1] * 5000], prefill_s=[1.0], cmd="python benchmarks/serving.py", threads=1)
+    doc = mod.write(tmp_path, rows, args, ctx, complete=True)
+    assert doc["wins"] == [
+        {
+            "budget_fraction": 0.1,
+            "link_gbps": 0.5,
+            "full_tokens_per_s": None,
+            "alone": "∞",
+            "alone_served": "vericache",
+            "guarded": None,
+            "guarded_served": "does not fit",
+        },
+        {
+            "budget_fraction": 0.25,
+            "link_gbps": 0.5,
+            "full_tokens_per_s": 10.0,
+            "alone": 0.7,
+            "alone_served": "vericache",
+            "guarded": 0.99,
+            "guarded_served": "full",
+        },
+        {
+            "budget_fraction": 0.25,
+            "link_gbps": 0.08,
+            "full_tokens_per_s": 10.0,
+            "guarded": 1.2,
+            "guarded_served": "vericache",
+        },
+    ]
+    text = (tmp_path / "table.md").read_text()
+    assert "| 0.1 | 0.5 | does not fit | ∞ | - | does not fit |" in text
+    assert "| 0.25 | 0.5 | 10.00 | 0.70x | 0.99x | full |" in text
+    assert "VeriCache beats full KV at (budget, link GB/s): (0.1, 0.5), (0.25, 0.08)" in text
+    assert "With the planner and guard, VeriCache / full KV is 0.99x at worst" in text
+    assert "does not fit the budget" in text
