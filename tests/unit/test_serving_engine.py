@@ -348,3 +348,17 @@ def test_rows_that_lose_move_to_full_kv_mid_trace_and_stay_exact(tiny, compresso
     off, outs, _ = serve(tiny, budget=0.3, guard=False, **common)
     assert outs == refs and off.moved_by_guard == 0
     assert all(r.switched_s is None or r.switched_s >= max(q.admitted_s for q in off.requests) for r in off.requests)
+
+
+def test_the_docs_server_loop_runs_as_written(tiny):
+    """docs/serving.md's loop (add_request while another request runs, step, has_unfinished) as written, on the
+    tiny model: each request's stream is its full-KV greedy output."""
+    from doc_commands import blocks
+    from paths import ROOT
+
+    eng, prompts, refs, demand, store = tiny
+    [code] = [b.text for b in blocks(ROOT / "docs" / "serving.md") if b.lang == "python"]
+    ns = {"model": eng.model, "prompts": prompts, "budget": int(0.4 * demand)}
+    exec(compile(code, "docs/serving.md", "exec"), ns)
+    assert ns["streams"] == {"a": refs[0][:16], "b": refs[1][:16]}
+    assert ns["report"].outputs() == ns["streams"]
