@@ -213,7 +213,7 @@ def test_the_budget_counts_packed_bytes(tiny):
     for layout in ("packed", "decoded"):
         cfg = ServingConfig(policy="vericache", compressor="kivi4", draft_layout=layout, k_max=16)
         engine = ServingEngine(eng.model, cfg)
-        pools = engine._pools([seq])
+        pools = engine.layout.make([seq], engine.sizes)
         assert engine.sizes.block_bytes == {name: pool.block_bytes for name, pool in pools.items()}
         costs[layout] = engine.sizes.resident_bytes(seq, full=False)
         if layout == "packed":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 
 import torch
 
@@ -33,11 +32,12 @@ import vericache_kernels.paged_packed as PP
 from ..compressors import get_compressor
 from ..model.sampling import sample, verify
 from . import capacity
-from .block_manager import BlockManager, KVPool, PackedPool
+from .block_manager import BlockManager
 from .config import ServingConfig
 from .guard import Guard
 from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
 from .model_runner import Batch, ModelRunner, Prefilled, Sampled, Segment
+from .pools import PoolLayout
 from .prompt_kv import PromptPlacer, gather
 from .report import ServingReport, TimeSplit, observed_alpha
 from .scheduler import Scheduler
@@ -46,8 +46,6 @@ from .sizes import RowSizes
 
 SEEN_ROWS = 256  # the acceptances of the last rows seen, for the capacity model
 STALL_LIMIT_S = 5.0  # idle with nothing to wait for this long: raise instead of spinning
-RELOADS_STAGED = 2  # staging areas the full pool is made with (the budget decides how many are used; it grows)
-MODEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class ServingEngine:
@@ -56,13 +54,16 @@ class ServingEngine:
         runs once, later prefills replay its layers (see ModelRunner.prefill)."""
         self.model, self.cfg, self.prefill_store = model, cfg, prefill_store
         mc = model.cfg
-        self.full_dtype = MODEL_DTYPES[model.dtype]
         self.full_bytes_per_token = mc.kv_bytes_per_token(model.dtype.itemsize)
         self.compressor = get_compressor(cfg.compressor) if cfg.policy != "full" else None
         if self.compressor is not None and self.compressor.needs_queries and not cfg.obs_window:
             raise ValueError(f"compressor {cfg.compressor!r} needs observation queries: obs_window must be > 0")
-        self.packed = self._packed_format()
-        self.complement = self._complement()
+        self.layout = PoolLayout(cfg, model, self.compressor)  # pools.py: which pools, their layout and blocks
+        self.full_dtype, self.packed, self.complement = (
+            self.layout.full_dtype,
+            self.layout.packed,
+            self.layout.complement,
+        )
         inv_freq = getattr(model, "inv_freq", None)
         self.placer = PromptPlacer(
             self.compressor,
@@ -73,7 +74,7 @@ class ServingEngine:
             prefill_store,
         )
         self.sizes = RowSizes(
-            cfg, self._block_bytes(), mc.num_layers, self.full_bytes_per_token, self.draft_lens, self.complement
+            cfg, self.layout.block_bytes, mc.num_layers, self.full_bytes_per_token, self.draft_lens, self.complement
         )
         self.acceptance = None  # acceptance(seq, k) -> accepted count: replayed acceptance (see run)
         # what this engine has seen, across runs, for the capacity model: the acceptance of each VeriCache row that
@@ -93,66 +94,12 @@ class ServingEngine:
         )
         self._reset()
 
-    def _block_bytes(self) -> dict[str, int]:
-        """Bytes of one block, every layer, of each pool (what KVPool / PackedPool.block_bytes will be)."""
-        mc, bs = self.model.cfg, self.cfg.block_size
-        out = {
-            name: mc.kv_bytes_per_token(getattr(torch, dtype).itemsize) * bs
-            for name, dtype in (("full", self.full_dtype), ("draft", self.cfg.draft_dtype))
-        }
-        if self.complement:
-            out["draft"] = out["full"]
-        if self.packed is not None:
-            out["packed"] = mc.num_layers * self.packed.block_bytes(mc.num_kv_heads, mc.head_dim, bs)
-        return out
-
     def _reset(self) -> None:
         """No requests, nothing allocated: the next step (or run) starts serving afresh."""
         self.seqs: list[Sequence] = []
         self.scheduler = self.pools = self.link = self.runner = self.prediction = None
         self.split, self.reload_failures, self._stalled_s, self.t0 = TimeSplit(), 0, 0.0, None
         self.guard, self._full_rate, self.guard_tripped_s = Guard(self.cfg.guard_margin), None, None
-
-    def _complement(self) -> bool:
-        """Reload only what the draft pool lacks (token dropping, the kept positions held in the model's dtype)?"""
-        c, r = self.compressor, self.cfg.reload
-        ok = (
-            self.cfg.policy == "vericache"
-            and self.packed is None
-            and hasattr(c, "keep_count")
-            and self.cfg.draft_dtype == self.full_dtype
-        )
-        if r == "complement" and not ok:
-            raise ValueError(
-                f"reload 'complement' needs a token-dropping compressor (got {self.cfg.compressor!r}) whose kept "
-                f"positions are exact copies: draft_dtype must be the model's {self.full_dtype!r} "
-                f"(got {self.cfg.draft_dtype!r}), policy 'vericache'"
-            )
-        return ok and r != "full"
-
-    def _packed_format(self) -> PP.PackedFormat | None:
-        """The packed pool's format for this compressor (draft_layout "auto" / "packed"), or None (decoded)."""
-        c, layout = self.compressor, self.cfg.draft_layout
-        if c is None or layout == "decoded":
-            return None
-        meta = {"compressor": c.name, **{k: getattr(c, k, None) for k in ("bits", "group", "value_group")}}
-        fmt = PP.PackedFormat.from_meta(meta)
-        if fmt is None:
-            if layout == "packed":
-                raise ValueError(
-                    f"draft_layout 'packed' holds KIVI (2/4/8 bits), int8 or fp8 codes; compressor "
-                    f"{self.cfg.compressor!r} has no packed form (use 'auto' or 'decoded')"
-                )
-            return None
-        mc = self.model.cfg
-        try:
-            fmt.check(mc.num_kv_heads, mc.head_dim, self.cfg.block_size)
-        except ValueError as e:
-            if layout == "packed":
-                raise
-            warnings.warn(f"{self.cfg.compressor}: {e}; its prompt is decoded into the draft pool", stacklevel=3)
-            return None
-        return fmt
 
     @staticmethod
     @torch.inference_mode()
@@ -200,47 +147,6 @@ class ServingEngine:
                     f"{self.cfg.policy!r}, more than the whole budget of {budget}"
                 )
 
-    def _pools(self, seqs: list[Sequence]) -> dict[str, KVPool]:
-        """The pools' physical blocks for the requests known now: in each pool what their rows could hold at once
-        (on full KV or VeriCache, whichever holds more there), up to what the budget pays for, plus, for
-        VeriCache, whole staging areas for a few reloads (a staging ring holds a prompt's blocks in every layer of
-        the pool's layout, while the budget counts only the ring's layers). A pool that turns out short grows
-        (BlockManager.allocate)."""
-        mc, bs, dev = self.model.cfg, self.cfg.block_size, self.model.device
-        shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)
-        vc = self.cfg.policy == "vericache"
-        wants = {}
-        for s in seqs:
-            rows = [self.sizes.resident_blocks(s, self.cfg.policy == "full")]
-            if vc:
-                rows.append(self.sizes.resident_blocks(s, True))
-            for row in rows:
-                for name, n in row.items():
-                    wants[name] = wants.get(name, 0) + n
-        if self.complement:  # the kept positions are full-pool blocks too
-            wants["full"] = wants.get("full", 0) + wants.pop("draft", 0)
-        dtypes = {"full": self.full_dtype, "draft": self.cfg.draft_dtype}
-        pools = {}
-        for name in {"full": ["full"], "lossy": ["draft"], "vericache": ["draft", "full"]}[self.cfg.policy] + (
-            ["packed"] if self.packed is not None else []
-        ):
-            cap = wants.get(name, 0)
-            if self.cfg.budget_bytes is not None:
-                cap = min(cap, self.cfg.budget_bytes // self.sizes.block_bytes[name])
-            blocks = cap + len(seqs) + 2
-            if vc and name == "full":
-                blocks += RELOADS_STAGED * max((s.prompt_len // bs for s in seqs), default=0)
-            if name == "packed":  # the quantized prompts' codes
-                pools[name] = PackedPool(
-                    name, mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, self.packed, blocks, dev
-                )
-            elif not (name == "draft" and self.complement):  # complement: one pool, kept + reloaded in one pass
-                pools[name] = KVPool(name, *shape, dtypes[name], blocks, dev)
-        if self.complement:
-            pools["draft"] = pools["full"]
-        return pools
-
-    # ---- the engine's API: add_request, step, has_unfinished (run is a loop over them) ----
     def add_request(self, request: Request) -> None:
         """Serve `request` from its arrival_s on (seconds on the engine's clock, which starts at the first step; a
         time already past means now). ValueError naming the value for a request that could never be served."""
@@ -324,7 +230,7 @@ class ServingEngine:
     def _start(self) -> None:
         """The pools (sized for the requests known now), the budget, the link and the scheduler; the clock starts."""
         cfg = self.cfg
-        self.pools = self._pools(self.seqs)
+        self.pools = self.layout.make(self.seqs, self.sizes)
         blocks = BlockManager(self.pools, cfg.budget_bytes)
         self.link = Link(cfg.link_bytes_per_s, self.model.device) if cfg.policy == "vericache" else None
         mc = self.model.cfg
