@@ -51,11 +51,13 @@ class Fake:
     """A stand-in vLLM server: role 'verifier' (verify route, plain streaming, /tokenize) or 'drafter'."""
 
     def __init__(self, role: str, wrong=lambda pos: False, cut_after: int | None = None, delay_s: float = 0.0,
-                 die_after: int | None = None, refused: frozenset = frozenset(), first_drafts_s: float = 0.0):  # fmt: skip
+                 die_after: int | None = None, refused: frozenset = frozenset(), first_drafts_s: float = 0.0,
+                 deny: bool = False):  # fmt: skip
         self.role, self.wrong, self.cut_after, self.delay_s = role, wrong, cut_after, delay_s
         self.die_after = die_after  # verify calls answered before it dies (connections closed)
         self.refused = refused  # token ids (and chat texts) it refuses as vLLM refuses a bad input
         self.first_drafts_s = first_drafts_s  # its first verify call with drafts takes this long (a cold start)
+        self.deny = deny  # every POST answered 401 (it does not take the router's token)
         self.calls: list[tuple[int, int]] = []  # verify calls: (len(prompt), drafts)
         self.streams = 0
         self.bodies: list[dict] = []
@@ -102,6 +104,8 @@ class Fake:
 
     async def complete(self, request):
         self.auth.append(request.headers.get("Authorization"))
+        if self.deny:
+            return web.json_response({"error": {"message": "Unauthorized", "code": 401}}, status=401)
         body = await request.json()
         self.bodies.append(body)
         if body.get("prompt_logprobs"):  # a verify call through the plain OpenAI API (vLLM's answer shape)

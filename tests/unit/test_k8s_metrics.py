@@ -54,7 +54,10 @@ def known_series() -> set[str]:
         queues={},
         loading={},
     )
-    return out | sample_names(VerifierMetrics(server)) | sample_names(DrafterMetrics())
+    from vericache_connector.router.observe import RouterMetrics
+
+    router = RouterMetrics(SimpleNamespace(servers=[]))
+    return out | sample_names(VerifierMetrics(server)) | sample_names(DrafterMetrics()) | sample_names(router.m)
 
 
 def test_pods_that_serve_metrics_are_scraped_on_a_port_they_listen_on():
@@ -113,6 +116,12 @@ def test_the_dashboard_charts_the_issues_series_and_only_series_that_exist():
         "vericache_drafter_fallbacks_total",
         "vericache_drafter_queued_requests",
         "vericache_drafter_accepted_drafts_sum",
+        "vericache_router_requests_total",
+        "vericache_router_verify_calls_total",
+        "vericache_router_accepted_drafts_sum",
+        "vericache_router_verify_queue",
+        "vericache_router_fallbacks_total",
+        "vericache_router_upstream_auth_failures_total",
     }
     assert wanted <= used, sorted(wanted - used)
     for e in exprs:  # balanced, and a rate over Grafana's interval

@@ -14,7 +14,8 @@ passed to a verifier as it came and its answer passed back: plain decoding there
 Prompts are tokenized by the verifier (/tokenize: its tokenizer and chat template); answers' text is
 decoded here with the same tokenizer. Every answer carries "vericache": how it was served (path
 verified | plain | fallback, the fault that caused a fallback, verify calls, drafts accepted per call).
-GET /health answers once the router serves; GET /v1/models lists the served model.
+GET /health answers once the router serves; GET /v1/models lists the served model; GET /metrics its Prometheus
+series (observe.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import signal
 import time
 import uuid
 
+from ..metrics import add_metrics_route
 from .config import RouterConfig, config_from_args, router_token
 from .decode import RoutedDecode, Wanted
+from .observe import RouterMetrics
 from .openai_api import CHAT, COMPLETIONS, NEUTRAL, Parsed, Reply, Text, error_body, parse, sse
 from .upstream import ClientError, Pool, UpstreamError, Upstreams, affinity_key
 
@@ -44,9 +47,10 @@ class Router:
         self.tokenizer, self.eos, self.defaults = None, frozenset(), {}
         self.name = cfg.served_model_name
         self._ready = asyncio.Lock()
+        self.metrics = RouterMetrics(self.verifiers)
 
     async def start(self) -> None:
-        self.up = Upstreams(self.token)
+        self.up = Upstreams(self.token, on_auth_failure=self.metrics.auth_failures.inc)
 
     async def close(self) -> None:
         if self.up is not None:
@@ -140,12 +144,22 @@ def make_app(router: Router):
         return web.json_response({"object": "list", "data": [card]})
 
     async def complete(request):
+        """Answer, then count how (observe.py)."""
+        t0, served = time.perf_counter(), {}
+        resp = await answer_or_pass(request, served)
+        router.metrics.answered(
+            request.path, served.get("path", "failed"), time.perf_counter() - t0, served.get("stats")
+        )
+        return resp
+
+    async def answer_or_pass(request, served: dict):
         path = request.path
         try:
             body = json.loads(await request.read())
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
+            served["path"] = "refused"
             return failed(f"bad body: {e}", 400, "BadRequestError")
         try:
             await router.ready()
@@ -153,22 +167,26 @@ def make_app(router: Router):
             return failed(str(e), 503, "ServiceUnavailable")
         model = body.get("model")
         if isinstance(model, str) and model != router.name:
+            served["path"] = "refused"
             return failed(f"The model `{model}` does not exist.", 404, "NotFoundError")
         req = router.parse(path, body)
         if req is None:
+            served["path"] = "passed"
             return await proxy(request, path, body)
         try:
             ids = await router.prompt_ids(req)
         except ClientError as e:  # the verifier refused the prompt: its answer, as it gave it
+            served["path"] = "refused"
             return web.json_response(e.answer, status=e.status)
         except UpstreamError as e:
             return failed(str(e), 502, "BadGateway")
         want = router.wanted(req, len(ids))
         if want is None:
+            served["path"] = "passed"
             return await proxy(request, path, body)
-        return await answer(request, req, ids, want)
+        return await answer(request, req, ids, want, served)
 
-    async def answer(request, req: Parsed, ids: list[int], want: Wanted):
+    async def answer(request, req: Parsed, ids: list[int], want: Wanted, served_as: dict):
         """Run the loop; stream each verified chunk, or answer once at the end. A client that goes away
         stops the loop (within one verify call) with one log line."""
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -179,6 +197,7 @@ def make_app(router: Router):
         out: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(decode.run(out))
         text, resp = Text(router.tokenizer), None
+        served_as["stats"] = decode.stats
         try:
             if req.stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -190,9 +209,11 @@ def make_app(router: Router):
                     await write(resp, sse(reply.chunk(delta, new, None)))
             await task  # raises when no verifier could finish the request
         except ClientGone:
+            served_as["path"] = "gone"
             logger.info("router: %s: the client went away after %d tokens; stopped", rid, len(decode.emitted))
             return resp or web.Response(status=499)
         except ClientError as e:  # a verifier refused the request (vLLM's 4xx): its answer, as it gave it
+            served_as["path"] = "refused"
             if resp is None:
                 return web.json_response(e.answer, status=e.status)
             await resp.write(sse(e.answer) + b"data: [DONE]\n\n")
@@ -207,6 +228,7 @@ def make_app(router: Router):
             if not task.done():
                 task.cancel()
         tokens, st = decode.emitted, decode.stats
+        served_as["path"] = st.path
         at_eos = bool(tokens) and tokens[-1] in want.eos and not want.ignore_eos
         finish = "length" if len(tokens) >= want.max_tokens and not at_eos else "stop"
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
@@ -245,6 +267,8 @@ def make_app(router: Router):
                 async with router.up.session.post(
                     server.url + path, data=json.dumps(sent), headers=router.up.headers
                 ) as r:
+                    if r.status in (401, 403):
+                        router.metrics.auth_failures.inc()
                     resp = web.StreamResponse(status=r.status, headers={"Content-Type": r.content_type})
                     await resp.prepare(request)
                     async for data in r.content.iter_any():
@@ -266,6 +290,7 @@ def make_app(router: Router):
         return failed("every verifier failed", 502, "BadGateway")
 
     app = web.Application(client_max_size=router.cfg.max_body_bytes)
+    add_metrics_route(app, router.metrics.m)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post(COMPLETIONS, complete)

@@ -125,9 +125,10 @@ def affinity_key(prompt) -> int:
 class Upstreams:
     """One aiohttp session for every upstream call; the router token as the Bearer token."""
 
-    def __init__(self, token: bytes | None):
+    def __init__(self, token: bytes | None, on_auth_failure=lambda: None):
         import aiohttp
 
+        self.on_auth_failure = on_auth_failure  # an upstream answered 401 / 403 (the router's metrics count it)
         self.headers = {"Content-Type": "application/json"}
         if token:
             self.headers["Authorization"] = "Bearer " + token.decode()
@@ -149,6 +150,8 @@ class Upstreams:
                         data += chunk
                         if len(data) > MAX_ANSWER_BYTES:
                             raise UpstreamError(server, f"answer over {MAX_ANSWER_BYTES} bytes")
+                    if r.status in (401, 403):
+                        self.on_auth_failure()
                     if r.status in CLIENT_STATUSES:
                         raise refusal(server, r.status, bytes(data))
                     if r.status != 200:
@@ -222,6 +225,8 @@ class Upstreams:
             async with self.session.post(
                 server.url + "/v1/completions", data=json.dumps(body), headers=self.headers
             ) as r:
+                if r.status in (401, 403):
+                    self.on_auth_failure()
                 if r.status in CLIENT_STATUSES:
                     raise refusal(server, r.status, await r.content.read(1 << 16))
                 if r.status != 200:
