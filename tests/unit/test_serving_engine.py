@@ -327,14 +327,12 @@ def test_rows_that_lose_move_to_full_kv_mid_trace_and_stay_exact(tiny, compresso
     requests still wait, lowest acceptance first, VeriCache rows paused to make room (and resumed on full KV by a
     reload of their prompt). Every output exact, the budget never passed. Without the guard no row moves before the
     trace's tail."""
-    from vericache_connector.engine import scheduler
+    from vericache_connector.engine import moves
     from vericache_connector.engine.capacity import Hardware
 
     paused = []
-    orig = scheduler.Scheduler.pause
-    monkeypatch.setattr(
-        scheduler.Scheduler, "pause", lambda self, seq: paused.append(seq.request_id) or orig(self, seq)
-    )
+    orig = moves.FullKVMoves.pause
+    monkeypatch.setattr(moves.FullKVMoves, "pause", lambda self, seq: paused.append(seq.request_id) or orig(self, seq))
     fast_full = Hardware("full KV far faster (test figures)", 1e15, 1e18, 1e9, 4e7)
     common = dict(policy="vericache", compressor=compressor, link_bytes_per_s=4e7, hardware=fast_full, planner=False)
     rep, outs, refs = serve(tiny, budget=0.3, **common)
@@ -354,6 +352,7 @@ def test_the_docs_server_loop_runs_as_written(tiny):
     """docs/serving.md's loop (add_request while another request runs, step, has_unfinished) as written, on the
     tiny model: each request's stream is its full-KV greedy output."""
     from doc_commands import blocks
+
     from paths import ROOT
 
     eng, prompts, refs, demand, store = tiny

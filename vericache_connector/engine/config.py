@@ -51,7 +51,7 @@ class ServingConfig(DecodeSettings):
     ngram_match: int = 3
     # at the trace's tail (nothing waiting or still to arrive), a VeriCache row whose whole full KV now fits the
     # budget keeps the prompt its verification just reloaded and decodes on full KV from then on (lowest
-    # acceptance first): no more reloads or drafts for it (Scheduler.switch_to_full)
+    # acceptance first): no more reloads or drafts for it (moves.py)
     tail_full: bool = True
     backend: str = "auto"  # kernels backend (auto | ref)
     # the capacity model (engine/capacity.py): given the hardware's figures, a VeriCache trace is served with full
@@ -62,7 +62,7 @@ class ServingConfig(DecodeSettings):
     planner: bool = True  # the capacity model's decision above (needs hardware)
     # the guard (engine/guard.py): while VeriCache rows run, their measured tokens/s against full KV's (the capacity
     # model's full-KV rate with hardware, else what steps on full KV measured); where VeriCache is slower by more
-    # than guard_margin of it, rows move to full KV in flight, lowest acceptance first (Scheduler.move_rows)
+    # than guard_margin of it, rows move to full KV in flight, lowest acceptance first (moves.py)
     guard: bool = True
     guard_margin: float = 0.0
     prefill_s: float = 0.0  # what a VeriCache prefill adds per request on this hardware (engine/calibrate.py)

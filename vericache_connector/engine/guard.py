@@ -11,7 +11,7 @@ steps whose rows were all on full KV measured (rows / second).
 VeriCache loses when its rate is below the full-KV rate, once every VeriCache row has verified and there are at
 least two verifications a row behind the figure, and only where moving pays: the tokens left to the VeriCache rows
 take longer at its rate than at full KV's plus the reloads that moving them costs (each row's prompt once over the
-link). Then the scheduler moves rows to full KV (Scheduler.fallback, move_rows) until no VeriCache row is left.
+link). Then the scheduler moves rows to full KV (Scheduler.fallback, moves.py) until no VeriCache row is left.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@
              resident.
 
 A VeriCache engine also serves rows on full KV: rows admitted while `fallback` is set (the capacity model or the
-guard says VeriCache loses here, ServingEngine._decide), rows moved there in flight (move_rows: lowest acceptance
+guard says VeriCache loses here, ServingEngine._decide), rows moved there in flight (moves.py: lowest acceptance
 first, each once its whole full KV fits, VeriCache rows paused to make room where that alone lets it fit), and rows
-switched at the trace's tail (switch_to_full). Rows join as soon as their blocks (and, for VeriCache, their reloads)
+switched at the trace's tail. Rows join as soon as their blocks (and, for VeriCache, their reloads)
 fit, and leave when done (continuous batching). A step is either one prompt's prefill or one packed forward over every running
 row (model_runner.py). A prefill holds one layer of the prompt's full KV at a time (the rest goes to the
 host tier or the compressor as soon as each layer is done); a full-KV prefill writes into its own blocks.
@@ -32,6 +32,7 @@ from .block_manager import BlockManager, BudgetExceeded
 from .config import ServingConfig
 from .host_tier import Link
 from .model_runner import Batch, Prefilled, Segment
+from .moves import FullKVMoves
 from .planner import AcceptanceEstimate, ReservationRings, choose_horizon, reload_steps
 from .sequence import Phase, Sequence
 from .sizes import RowSizes
@@ -67,6 +68,7 @@ class Scheduler:
         self.rings = ReservationRings(cfg.lookahead)
         self.estimates: dict[str, AcceptanceEstimate] = {}
         self.plans: dict[str, tuple[int, int, int]] = {}  # request id -> (reload start step, verify step, ring)
+        self.moves = FullKVMoves(self)  # moves.py: rows going on on their full KV
 
     @property
     def finished(self) -> bool:
@@ -261,7 +263,7 @@ class Scheduler:
         while self.arrivals and self.arrivals[0].arrival_s <= now:
             self.waiting.append(self.arrivals.pop(0))
         if self.fallback and self.link is not None:
-            self.move_rows()
+            self.moves.move_rows()
         self.admit()
         self.peak_rows = max(self.peak_rows, len(self.running) + len(self.prefilling))
         if self.prefilling:
@@ -319,110 +321,19 @@ class Scheduler:
                 seq.full_len, seq.draft_len = seq.full_len + n + 1, seq.draft_len - k + n + 1
                 new = seq.drafts[:n] + [r.token]
                 seq.drafts, seq.draft_probs, seq.pending = [], [], r.token
-                switch = self.switch_to_full(seq)
+                switch = self.moves.switch_to_full(seq)
                 if not switch:
                     self.release_staging(seq)
                 emitted.append((seq, self.emit(seq, new, now)))  # finishing frees the staging either way
                 if seq.phase == Phase.FINISHED:
                     pass
                 elif switch:
-                    self.keep_full(seq, now)
+                    self.moves.keep_full(seq, now)
                 else:
                     seq.phase = Phase.DRAFTING
                     self.start_round(seq)
                     self.propose(seq)
         return emitted
-
-    # ---- rows to full KV ----
-    def switch_to_full(self, seq: Sequence) -> bool:
-        """At a verification (its prompt just reloaded into staging blocks, every layer of them): should the row
-        keep that full KV and decode on it from now on? A row move_rows picked does (its staging holds every
-        layer already). Otherwise at the trace's tail only (nothing waiting, paused or still to arrive, so the
-        budget has no other use), where the rest of its whole full KV fits the budget, and the row with the lowest
-        acceptance first (it gains the most: fewer tokens per verification)."""
-        if not seq.staging or self.complement:
-            return False
-        extra = self.sizes.block_cost("full", len(seq.staging)) - self.sizes.block_cost(
-            "full", len(seq.staging), seq.staging_ring
-        )
-        if seq.moving:
-            return self.blocks.fits(extra)
-        if not self.cfg.tail_full or self.waiting or self.arrivals or self.prefilling or self.paused:
-            return False
-        if not self.blocks.fits(extra):
-            return False
-        others = [s.alpha for s in self.running if s is not seq and not s.full_kv and s.alpha is not None]
-        return seq.alpha is None or not others or seq.alpha <= min(others)
-
-    def keep_full(self, seq: Sequence, now: float) -> None:
-        """The row's staging blocks become its prompt's resident full KV; its compressed KV and host copy go."""
-        self.blocks.grow("full", len(seq.staging), seq.staging_ring)
-        for pool in ("draft", "packed"):
-            if pool in seq.blocks:
-                self.blocks.free(pool, seq.blocks.pop(pool))
-        seq.blocks["full"] = seq.staging + seq.blocks["full"]
-        seq.staging, seq.reload, seq.host, seq.full_kv, seq.switched_s = [], None, None, True, now
-        seq.switched_by, seq.moving = "guard" if seq.moving else "tail", False
-        self.plans.pop(seq.request_id, None)
-        self.rings.release(seq.request_id)
-        seq.phase = Phase.DECODING
-
-    def move_rows(self) -> None:
-        """`fallback` while VeriCache rows run (the guard measured that they lose): one row at a time goes on on
-        its full KV, lowest acceptance first, once that fits: a running row verifies what it drafted at once, over
-        a reload that stages every layer, and keeps them; a paused row reloads its prompt and does the same with no
-        drafts. Where a row's full KV does not fit, VeriCache rows of a higher acceptance are paused to make room
-        (their compressed KV freed; their host copy and emitted tokens' exact KV kept) if that makes it fit.
-        Not with a complement reload (the kept positions live only in the draft pool)."""
-        if self.complement or any(s.moving for s in self.running):
-            return
-        rows = sorted([s for s in self.running if not s.full_kv] + self.paused, key=self._alpha)
-        for seq in rows:
-            if seq.reload is not None or not self.fits_full(seq):
-                continue  # (a row mid-reload is looked at again next step)
-            need = self.sizes.staging_bytes(seq) + self.rings.peak_memory(self.step)
-            pause = []
-            for other in reversed(rows):  # highest acceptance first
-                if self.blocks.fits(need - sum(self._compressed_bytes(o) for o in pause)):
-                    break
-                if other is not seq and other in self.running and other.reload is None and self.fits_full(other):
-                    pause.append(other)  # (only a row that can resume on full KV)
-            if not self.blocks.fits(need - sum(self._compressed_bytes(o) for o in pause)):
-                continue
-            for other in pause:
-                self.pause(other)
-            self.start_move(seq)
-            return
-
-    def _alpha(self, seq: Sequence) -> float:
-        return self.cfg.alpha_prior if seq.alpha is None else seq.alpha
-
-    def _compressed_bytes(self, seq: Sequence) -> int:
-        return self.sizes.cost({p: len(seq.blocks[p]) for p in ("draft", "packed") if p in seq.blocks})
-
-    def pause(self, seq: Sequence) -> None:
-        """A VeriCache row leaves the batch: its compressed KV and drafts go; it resumes on full KV (move_rows)."""
-        for pool in ("draft", "packed"):
-            if pool in seq.blocks:
-                self.blocks.free(pool, seq.blocks.pop(pool))
-        seq.drafts, seq.draft_probs, seq.proposal, seq.draft_len, seq.packed_len = [], [], [], 0, 0
-        seq.verify_step = None
-        self.plans.pop(seq.request_id, None)
-        self.rings.release(seq.request_id)
-        self.running.remove(seq)
-        self.paused.append(seq)
-        seq.phase = Phase.PAUSED
-
-    def start_move(self, seq: Sequence) -> None:
-        """Reload the row's prompt into staging blocks charged for every layer, and verify at once."""
-        self.plans.pop(seq.request_id, None)
-        self.rings.release(seq.request_id)
-        if seq in self.paused:
-            self.paused.remove(seq)
-            self.running.append(seq)
-        seq.moving, seq.horizon = True, len(seq.drafts)
-        if self.start_reload(seq, ring=self.num_layers):
-            seq.verify_step = self.step
 
     def propose(self, seq: Sequence) -> None:
         """The n-gram proposals the row's next draft step feeds (ServingConfig.ngram; none when off)."""

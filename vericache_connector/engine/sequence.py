@@ -10,7 +10,7 @@ A Sequence moves through phases; a VeriCache row cycles DRAFTING -> (RELOADING) 
               drafting meanwhile, up to k_max)
   VERIFYING   VeriCache: in this step's verify forward
   PAUSED      VeriCache, losing to full KV: its compressed KV freed to make room for a row moving to full KV; it
-              resumes on full KV itself (its prompt reloaded from the host tier; Scheduler.move_rows)
+              resumes on full KV itself (its prompt reloaded from the host tier; moves.py)
   FINISHED    max_new_tokens emitted or EOS
 
 Token bookkeeping (VeriCache, as in speculative.py): `pending` is the newest emitted token, whose KV is
@@ -106,10 +106,10 @@ class Sequence:
     ngram: object | None = None  # draft.ngram.NgramIndex over prompt + output (ServingConfig.ngram)
     proposal: list[int] = field(default_factory=list)  # n-gram tokens the next draft step feeds
     ngram_drafted: int = 0  # drafts that came from the n-gram source
-    full_kv: bool = False  # decoding on its whole full KV: admitted so, or switched there (Scheduler.keep_full)
+    full_kv: bool = False  # decoding on its whole full KV: admitted so, or switched there (moves.py)
     switched_s: float | None = None  # when a VeriCache row went on on its full KV
-    switched_by: str | None = None  # "tail" (the trace's tail, Scheduler.switch_to_full) or "guard" (move_rows)
-    moving: bool = False  # move_rows picked it: its next verification keeps its full KV
+    switched_by: str | None = None  # "tail" (the trace's tail) or "guard" (moves.py)
+    moving: bool = False  # moves.py picked it: its next verification keeps its full KV
     arrival_s: float = -1.0  # when it arrived, engine clock (the request's arrival_s, or when it was added)
 
     @property
