@@ -163,7 +163,7 @@ def test_a_failure_while_streaming_cancels_the_stream(tiny, memory_url, monkeypa
         def boom(*a, **k):
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(cache, "_decode", boom)
+        monkeypatch.setattr(cache, "decode", boom)
         with pytest.raises(RuntimeError, match="boom"):
             cache.generate(ids, cfg)
         assert loop_tasks(cache) == 0
