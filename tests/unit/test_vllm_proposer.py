@@ -357,3 +357,36 @@ def test_the_worth_of_a_second_of_pre_drafting_is_measured():
         pacer.record_step(0.09, rows=1)
     pacer.predraft_yield(20, 6.0)
     assert pacer.predraft_value() == pytest.approx((40 + 20) * 0.09 / 12.0)
+
+
+def test_the_batch_switch_keeps_drafting_only_where_it_measurably_raises_the_output():
+    """Per batch size, tokens per second of steps with drafts against steps without: alternating runs until
+    both are measured, then the winner, with short runs of the other arm to notice a change."""
+    from vericache_connector.integration.vllm.pacing import BatchSwitch
+
+    sw = BatchSwitch()
+    first = [sw.allows(1) for _ in range(16)]
+    assert first == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 4 and sw.pays(1) is None
+    for _ in range(8):
+        sw.record(1, True, 3, 0.1)  # alone: drafts give 3 tokens a step of 100 ms
+        sw.record(1, False, 1, 0.05)  # ... against 1 in 50 ms
+        sw.record(8, True, 9, 0.3)  # a batch of 8: 9 tokens in 300 ms
+        sw.record(6, False, 8, 0.16)  # ... against 8 in 160 ms (the same bucket, 5-8)
+    assert sw.pays(1) is True and sw.pays(8) is False and sw.bucket(6) == sw.bucket(8) != sw.bucket(4)
+    alone, busy = [sw.allows(1) for _ in range(64)], [sw.allows(8) for _ in range(64)]
+    assert sum(alone) == 64 - 2 * BatchSwitch.EXPLORE_RUN and sum(busy) == 2 * BatchSwitch.EXPLORE_RUN
+    assert "<=1: 30.0 / 20.0 tok/s" in sw.describe() and "<=8: 30.0 / 50.0 tok/s" in sw.describe()
+
+
+def test_the_proposer_measures_what_each_step_emitted_for_the_switch(setup):
+    eng, prompt, ref, compressed = setup
+    p = make_proposer(eng.model)
+    seen = []
+    p.switch.record = lambda rows, drafted, emitted, seconds: seen.append((rows, drafted, emitted))
+    p.ngram = (64, 64)  # no n-gram matches (a random model's greedy output loops)
+    others = [[(t * 7 + j) % 256 for t in range(100)] for j in range(2)]
+    for step in range(4):  # three requests, one token each a step, no drafts (random rows: nothing matches)
+        p.propose(*step_args([prompt + ref[:step + 1], *(o + [step] * (step + 1) for o in others)]))
+    assert seen == [(3, False, 3)] * 3  # the first call has no step before it
+    p.propose(*step_args([prompt + ref[:5]]))  # the batch changed: not a sample
+    assert len(seen) == 3

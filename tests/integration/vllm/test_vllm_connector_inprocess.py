@@ -316,8 +316,10 @@ def blocks_kv(views, block_ids, n):
 
 
 def load(conn, rid: str, block_ids: list[int], start: int = 0) -> set[str]:
-    """Load the stored prefix into block_ids (from token `start`): the requests reported finished."""
-    conn.bind_connector_metadata(VeriCacheMetadata(loads=[LoadSpec(rid, PROMPT[:STORED], block_ids, start, PROMPT)]))
+    """Load the stored prefix into block_ids (from token `start`) in a step with nothing else to run (vLLM idle:
+    the proposer's compressed copy comes too): the requests reported finished."""
+    spec = LoadSpec(rid, PROMPT[:STORED], block_ids, start, PROMPT)
+    conn.bind_connector_metadata(VeriCacheMetadata(loads=[spec], idle=True))
     conn.start_load_kv(None)
     return wait_for(lambda: conn.get_finished(set())[1])
 
@@ -570,7 +572,7 @@ def test_concurrent_loads_use_the_link_fully(model_dir, store_url, proposer):
             wait_for(lambda p=prompt: call(store.lookup(p[:STORED])) == STORED)
         loads = [LoadSpec(f"r{i}", p[:STORED], [4 + 4 * i + b for b in range(4)], 0, p) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
-        reader.bind_connector_metadata(VeriCacheMetadata(loads=loads))
+        reader.bind_connector_metadata(VeriCacheMetadata(loads=loads, idle=True))
         reader.start_load_kv(None)
         done: set[str] = set()
         wait_for(lambda: done.update(reader.get_finished(set())[1] or ()) or len(done) == n, timeout_s=60)
@@ -585,6 +587,31 @@ def test_concurrent_loads_use_the_link_fully(model_dir, store_url, proposer):
     finally:
         writer.shutdown()
         reader.shutdown()
+
+
+def test_a_load_beside_running_requests_streams_the_full_copy(model_dir, store_url):
+    """vLLM is busy with other requests (the step's metadata is not idle): no pre-draft could run, so a split16
+    load streams the full copy (no halves to join and check on the busy cores) and no copy goes to the proposer
+    until the full KV is in (then it is cut from it)."""
+    conn, views = worker(model_dir, store_url, proposer=True, compressor="split16")
+    drafter = RecordingDrafter()
+    conn.draft_handoff.attach(drafter)
+    try:
+        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=9)
+        save_blocks(conn, views, kv, PROMPT[:STORED], [0, 1, 2, 3])
+        store, call = conn.worker.client.store, conn.worker.client.call
+        wait_for(lambda: call(store.lookup(PROMPT[:STORED])) == STORED)
+        conn.draft_handoff.prefixes.clear()
+        spec = LoadSpec("busy", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)
+        conn.bind_connector_metadata(VeriCacheMetadata(loads=[spec], idle=False))
+        conn.start_load_kv(None)
+        assert wait_for(lambda: conn.get_finished(set())[1]) == {"busy"}
+        assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
+        assert drafter.got == [] and not conn.get_block_ids_with_load_errors()
+        n, comp = wait_for(lambda: conn.draft_handoff.find(PROMPT))
+        assert n == STORED and isinstance(comp, Deferred)  # cut from the loaded KV, later
+    finally:
+        conn.shutdown()
 
 
 def test_split16_refuses_a_kv_cache_that_is_not_float32(model_dir, store_url):

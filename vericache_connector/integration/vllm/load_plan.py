@@ -22,7 +22,8 @@ the CPU is busy anyway, a leading part comes over the link for free: the best x 
 a leading part. With our proposer, a load's idle CPU time is not lost: it pre-drafts on the compressed copy
 meanwhile, and vLLM later accepts those drafts in a few steps. Its measured worth v (decode seconds saved
 per second of pre-drafting, reported by the worker) is credited: T(x) -= min(v (link(x) - C b), (m - 1) b1),
-m the request's max_tokens and b1 = a + b a decode step's time. x* = argmin T over chunk multiples; within 2% of the minimum the largest x wins (a load
+m the request's max_tokens and b1 = a + b a decode step's time; but only among loads whose KV is ready within
+TTFT_SLACK of computing it (a cache never makes the first token slower than no cache: the credit breaks ties). x* = argmin T over chunk multiples; within 2% of the minimum the largest x wins (a load
 leaves the CPU to other requests). Until both rates are measured they are taken as equal: the queues then
 split concurrent requests between the link and the CPU, and measure both.
 """
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 EMA = 0.3  # weight of a new busy spell's rate
 STEPS_KEPT = 64  # (tokens, seconds) of recent vLLM steps for the step-time fit
 TIE = 0.02  # within this fraction of the best time, the larger load wins
+TTFT_SLACK = 0.05  # the pre-draft credit never buys a load whose KV is ready later than this past computing it
 SPELL_S = 0.5  # seconds of loading per rate sample
 
 
@@ -52,6 +54,7 @@ class Plan:
     link_ahead: int  # L, tokens
     cpu_ahead: int  # C, tokens
     predraft_value: float | None = None  # v
+    ready_s: float | None = None  # when the KV is ready with this choice (T without the pre-draft credit)
 
     @property
     def decision(self) -> str:
@@ -173,16 +176,21 @@ class LoadPlanner:
         v = self.predraft_value or 0.0
         cap = (max_new - 1) * (a + b) if max_new else float("inf")
 
-        def t(x: int) -> float:
+        def ready(x: int) -> float:  # when the request's KV is ready
             link = (ahead_link + x) / r if x > 0 else 0.0
-            credit = min(v * max(0.0, link - ahead_cpu * b), cap) if x > 0 else 0.0
-            return max(link, ahead_cpu * b) + (n - x + suffix) * b + a - credit
+            return max(link, ahead_cpu * b) + (n - x + suffix) * b + a
+
+        def t(x: int) -> float:  # ... less what pre-drafting during the load saves later
+            link = (ahead_link + x) / r if x > 0 else 0.0
+            return ready(x) - (min(v * max(0.0, link - ahead_cpu * b), cap) if x > 0 else 0.0)
 
         options = [0] + [e - start for e in range(self.chunk, found + 1, self.chunk) if e > start]
+        if measured:  # a cache never makes the first token slower than no cache (within TTFT_SLACK)
+            options = [x for x in options if x == 0 or ready(x) <= (1 + TTFT_SLACK) * ready(0)]
         times = {x: t(x) for x in options}
         best = min(times.values())
         load = max(x for x in options if times[x] <= best + TIE * abs(best) + 1e-12)
-        est = (lambda x: times[x]) if measured else (lambda x: None)
+        est = t if measured else (lambda x: None)
         return Plan(
             load,
             n,
@@ -194,6 +202,7 @@ class LoadPlanner:
             ahead_link,
             ahead_cpu,
             self.predraft_value,
+            ready(load) if measured else None,
         )
 
 

@@ -6,6 +6,9 @@ forward is wrapped to enter the gate as "target"; every draft step enters as "dr
 first: a draft step starts only when no target forward runs or waits, so a pre-draft on its own thread
 delays a concurrent request's step by at most the one draft step in progress.
 
+BatchSwitch. Whether drafting pays at a batch size is finally measured: tokens per second of vLLM's steps with
+drafts against steps without (class docstring); the pacer below sizes the drafts where it does.
+
 DraftPacer. A draft is worth its cost only if it raises the server's output: drafting for one request
 lengthens the step every running request waits for. A vLLM step over B requests takes t_v(B) seconds and
 emits B tokens without drafts; with x drafts for one of them (drafted in propose, t_d seconds a draft step,
@@ -232,6 +235,65 @@ class DraftPacer:
         if max_new is not None:
             tokens = min(tokens, max_new - 1)
         return tokens * t_v > (1 + MARGIN) * compressed_s
+
+
+class BatchSwitch:
+    """Does proposing drafts raise vLLM's output at this batch size? Measured, not predicted: the pacer's model
+    leaves out what a draft costs beyond its row (vLLM's speculative path, the proposer's own work, prefills
+    crowded out of a step), which under load is most of it. Per batch bucket (1, 2, 3-4, 5-8, 9-16, 17+): the
+    tokens vLLM's steps emitted per second in steps with drafts and in steps without (a step whose batch
+    changed, or that ran a new request's prefill, left out). Drafting is on in a bucket while its rate beats
+    the rate without by MARGIN (on until both are measured); a run of EXPLORE_RUN steps of the other arm
+    every EXPLORE_EVERY steps keeps both measured."""
+
+    BUCKETS = (1, 2, 4, 8, 16)
+    WINDOW = 48  # steps kept per arm and bucket
+    MIN_STEPS = 8  # per arm, before the rates decide
+    EXPLORE_EVERY, EXPLORE_RUN = 32, 4
+
+    def __init__(self):
+        self._steps: dict[tuple[int, bool], collections.deque] = {}
+        self._tick: dict[int, int] = {}
+
+    def bucket(self, rows: int) -> int:
+        return next((i for i, b in enumerate(self.BUCKETS) if rows <= b), len(self.BUCKETS))
+
+    def record(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
+        if seconds > 0 and emitted >= 0:
+            key = (self.bucket(rows), drafted)
+            self._steps.setdefault(key, collections.deque(maxlen=self.WINDOW)).append((emitted, seconds))
+
+    def rate(self, rows: int, drafted: bool) -> float | None:
+        got = self._steps.get((self.bucket(rows), drafted))
+        if not got or len(got) < self.MIN_STEPS:
+            return None
+        return sum(e for e, _ in got) / sum(s for _, s in got)
+
+    def pays(self, rows: int) -> bool | None:
+        """Measured: drafting raises the output at this batch size (None: not both arms measured yet)."""
+        on, off = self.rate(rows, True), self.rate(rows, False)
+        return None if on is None or off is None else on > (1 + MARGIN) * off
+
+    def allows(self, rows: int) -> bool:
+        """Whether this step proposes drafts (one call per step): the winning arm, with exploration runs of
+        the other; while unmeasured, runs of EXPLORE_RUN steps alternate."""
+        b = self.bucket(rows)
+        tick = self._tick[b] = self._tick.get(b, -1) + 1
+        pays = self.pays(rows)
+        if pays is None:
+            return (tick // self.EXPLORE_RUN) % 2 == 0
+        explore = tick % self.EXPLORE_EVERY < self.EXPLORE_RUN
+        return pays != explore
+
+    def describe(self) -> str:
+        out = []
+        for i, b in enumerate((*self.BUCKETS, "more")):
+            rows = b if isinstance(b, int) else self.BUCKETS[-1] + 1
+            on, off = self.rate(rows, True), self.rate(rows, False)
+            if on is not None or off is not None:
+                f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+                out.append(f"<={b}: {f(on)} / {f(off)} tok/s")
+        return "drafts on / off by batch " + (", ".join(out) or "unmeasured")
 
 
 def new_estimate() -> AcceptanceEstimate:

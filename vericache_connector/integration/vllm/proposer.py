@@ -50,7 +50,7 @@ from ...draft import DraftConfig, make_draft_cache
 from .chains import BRANCH_P, MAX_BRANCHES, Chain, Group, common
 from .draft_model import DraftModel, UnsupportedModel
 from .handoff import Deferred, DraftHandoff, find_handoff, materialize
-from .pacing import DraftPacer, TargetGate, new_estimate
+from .pacing import BatchSwitch, DraftPacer, TargetGate, new_estimate
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
 
@@ -80,6 +80,8 @@ class CompressedKVProposer:
         self.ngram_est = new_estimate()  # acceptance of n-gram drafts, all requests
         self._ngram_last: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
         self._last_rows: set[int] = set()  # the row keys of the previous propose (a new one: its prefill ran)
+        self.switch = BatchSwitch()
+        self._step_end: tuple[list[int], int, bool, float] | None = None  # the last propose: what the step ran
         self._next_id = 0
         self._lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
         self._building: set[tuple[int, int]] = set()  # (prefix length, hash) of draft caches being built
@@ -97,6 +99,7 @@ class CompressedKVProposer:
             drafted=0,
             paced_off=0,
             seeded=0,
+            switched_off=0,
         )
         self.accepted = dict.fromkeys(("predraft", "compressed", "ngram"), 0)  # tokens vLLM accepted (stats.py)
 
@@ -247,9 +250,12 @@ class CompressedKVProposer:
         for i, sampled in enumerate(sampled_token_ids):
             if len(sampled):
                 rows[i] = np.asarray(token_ids_cpu[i, : int(num_tokens_no_spec[i])])
-        keys = {_row_key(r.tolist()) for r in rows.values()}
-        self.pacer.propose_started(prefill=bool(keys - self._last_rows))  # a new request: its prefill ran too
-        self._last_rows, batch = keys, len(rows)
+        keys = sorted(_row_key(r.tolist()) for r in rows.values())
+        prefill = bool(set(keys) - self._last_rows)  # a new request: its prefill ran in the step too
+        self.pacer.propose_started(prefill=prefill)
+        self._measure_step(keys, sum(len(r) for r in rows.values()), prefill)
+        self._last_rows, batch = set(keys), len(rows)
+        allowed = self.switch.allows(batch)  # measured: do drafts raise the output at this batch size?
         self._find_handoff()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         present, to_draft = set(), []
@@ -263,7 +269,16 @@ class CompressedKVProposer:
                 self.stats["seeded"] += 1
                 continue
             self._account_ngram(row)
-            group = self._match(row, present)
+            group = self._match(row, present, build=allowed)
+            if not allowed:  # no drafts this step: the request's draft state is kept, nothing is built or made
+                if group is not None:
+                    present.add(id(group))
+                    group.claimed = True
+                    self._account(group, row)
+                    for chain in group.chains:
+                        chain.predrafting = False
+                self.stats["switched_off"] += 1
+                continue
             gram = self._ngram(row_np, room)
             if group is not None:
                 present.add(id(group))
@@ -298,9 +313,19 @@ class CompressedKVProposer:
         self._finish_absent(present)
         self.stats["proposals"] += 1
         if self.stats["proposals"] % LOG_EVERY == 0:
-            logger.info("VeriCache proposer: %s, %s", self.stats, self.pacer.describe())
+            logger.info("VeriCache proposer: %s, %s; %s", self.stats, self.pacer.describe(), self.switch.describe())
         self.pacer.propose_ended(sum(len(o) for o in out), rows=batch)
+        self._step_end = (keys, sum(len(r) for r in rows.values()), any(out), time.perf_counter())
         return out
+
+    def _measure_step(self, keys: list[int], total: int, prefill: bool) -> None:
+        """The step vLLM just ran: the tokens it emitted (the rows' growth) over its seconds, with or without
+        drafts, for the batch switch; left out where the batch changed or a prefill ran."""
+        if self._step_end is not None and not prefill:
+            last_keys, last_total, drafted, end = self._step_end
+            if keys == last_keys:
+                self.switch.record(len(keys), drafted, total - last_total, time.perf_counter() - end)
+        self._step_end = None
 
     def _account(self, group: Group, row: list[int]) -> None:
         """Acceptance of the compressed drafts proposed last step: how far the row followed them."""
@@ -342,9 +367,9 @@ class CompressedKVProposer:
         return [int(t) for t in got]
 
     # ---- draft states -----------------------------------------------------------------------------------
-    def _match(self, row: list[int], present: set[int]) -> Group | None:
-        """The group of the request this row is (its stored prefix and chains), or a new one from a compressed
-        copy the connector posted."""
+    def _match(self, row: list[int], present: set[int], build: bool = True) -> Group | None:
+        """The group of the request this row is (its stored prefix and chains), or (build) a new one from a
+        compressed copy the connector posted."""
         with self._lock:
             for g in self.groups.values():
                 if id(g) not in present and g.prefix_len < len(row):
@@ -352,7 +377,7 @@ class CompressedKVProposer:
                         self.groups.move_to_end(next(k for k, v in self.groups.items() if v is g))
                         return g
         handoff = self.handoff
-        found = None if handoff is None or self.draft is None else handoff.find(row)
+        found = None if handoff is None or self.draft is None or not build else handoff.find(row)
         if found is None:
             return None
         # A copy posted without a pre-draft (a fast load): its draft cache is built on a thread of its own,

@@ -95,9 +95,10 @@ class VeriCacheConnectorWorker:
         if meta.seeded and self.handoff is not None:
             self.handoff.mark_seeded(meta.seeded)
         for spec in meta.loads:
-            self.client.submit(self._load(spec))
+            self.client.submit(self._load(spec, meta.idle))
         for spec in meta.drafts_only:  # computed here, not loaded: the proposer drafts on the compressed copy
-            if self.handoff is not None and not self.handoff.has(spec.prefix) and not self.handoff.seeded(spec.prompt):
+            fresh = self.handoff is not None and not self.handoff.has(spec.prefix)
+            if fresh and not self.handoff.seeded(spec.prompt) and not self._loading:  # only on an idle link
                 self.client.submit(self._fetch_for_drafts(spec))
 
     def take_stats(self):
@@ -160,7 +161,7 @@ class VeriCacheConnectorWorker:
             self.stats.count("store_errors", "save")
             logger.warning("save of %s failed (%s: %s)", spec.req_id, type(e).__name__, e)
 
-    async def _load(self, spec: LoadSpec) -> None:
+    async def _load(self, spec: LoadSpec, idle: bool = True) -> None:
         """Compressed copy -> the proposer (it drafts at once), full copy -> the request's blocks, both at
         the same time; then report the request done (and its blocks, if the full copy failed)."""
         t0, n = time.perf_counter(), len(spec.prefix)
@@ -168,8 +169,9 @@ class VeriCacheConnectorWorker:
         ids = torch.tensor(spec.block_ids[first:last])
         lo = first * self.block_size
         loaded, when = threading.Event(), {}
-        split = self._split_load(n)
-        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0))
+        split = idle and self._split_load(n)  # vLLM busy with other requests: no pre-draft could run, and the
+        # halves' joins and checks would take the cores from it (the full copy streams faster then)
+        drafting = asyncio.ensure_future(self._post_compressed(spec, loaded, when, t0) if idle else asyncio.sleep(0))
         streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         cut = False  # the proposer's copy is cut from a streamed full copy (none posted for this prefix yet)
 
