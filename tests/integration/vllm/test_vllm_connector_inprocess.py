@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,6 +204,32 @@ def test_a_failing_decision_loads_and_never_stops_the_scheduler(model_dir, store
     sched.add_request(req)
     (load,) = sched.schedule().kv_connector_metadata.loads
     assert load.prefix == PROMPT[:STORED]
+
+
+def test_the_prefill_rate_is_fitted_on_the_forward_the_worker_timed(model_dir, store_url):
+    """A step's time from build_connector_meta to its output includes a proposer's drafting after the forward
+    (seconds per step that read as prefill cost: 100 tok/s of prefill in a served run where vLLM did 500+).
+    The worker times the forward alone (start_load_kv to wait_for_save) and the fit uses that."""
+    from vericache_connector.integration.vllm.metadata import VeriCacheWorkerMeta
+
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    conn = sched.connector.scheduler
+    for n in (1, 8, 512, 1024, 2048):
+        conn._steps.append((time.monotonic() - 5.0, n))  # five seconds from build to output
+        conn.update_connector_output(SimpleNamespace(finished_recving=None,
+                                                     kv_connector_worker_meta=VeriCacheWorkerMeta(forward_s=0.01 + n / 2000.0)))  # fmt: skip
+    a, b = conn.planner.steps.fit()
+    assert 1 / b == pytest.approx(2000.0, rel=1e-6) and a == pytest.approx(0.01, rel=1e-6)
+    w, _ = worker(model_dir, store_url)
+    try:
+        w.bind_connector_metadata(VeriCacheMetadata())
+        w.start_load_kv(None)
+        time.sleep(0.05)  # the forward
+        w.wait_for_save()
+        assert 0.05 <= w.build_connector_worker_meta().forward_s < 1.0
+        assert w.build_connector_worker_meta().forward_s is None  # reported once
+    finally:
+        w.shutdown()
 
 
 def test_a_slow_link_is_not_loaded_from(model_dir, store_url):

@@ -42,11 +42,14 @@ class VeriCacheWorkerMeta(KVConnectorWorkerMetadata):
     link_tokens: float = 0.0  # bytes received, in full-copy tokens
     busy_s: float = 0.0  # seconds at least one load was in flight
     predraft_value: float | None = None  # the proposer's decode seconds saved per second of pre-drafting
+    forward_s: float | None = None  # vLLM's forward this step (from start_load_kv to wait_for_save)
 
     def aggregate(self, other: "VeriCacheWorkerMeta") -> "VeriCacheWorkerMeta":
         values = [v for v in (self.predraft_value, other.predraft_value) if v is not None]
+        forwards = [v for v in (self.forward_s, other.forward_s) if v is not None]
         return VeriCacheWorkerMeta(
             self.link_tokens + other.link_tokens,
             max(self.busy_s, other.busy_s),
             min(values) if values else None,
+            max(forwards) if forwards else None,
         )

@@ -262,13 +262,14 @@ class VeriCacheConnectorScheduler:
     def update_connector_output(self, output) -> None:
         """A step's results: its time (the step-time fit), finished loads, the workers' link progress."""
         now = time.monotonic()
-        if self._steps:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if self._steps:  # the step's forward as the worker timed it (else: from build to output, propose included)
             built, tokens = self._steps.popleft()
-            self.planner.steps.add(tokens, now - built)
+            forward = getattr(meta, "forward_s", None)
+            self.planner.steps.add(tokens, forward if forward is not None else now - built)
         for rid in output.finished_recving or ():
             self.planner.load_finished(rid)
             self._release(rid, loading_only=True)
-        meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, VeriCacheWorkerMeta):
             self.planner.link_report(meta.link_tokens, meta.busy_s)
             if meta.predraft_value is not None:
