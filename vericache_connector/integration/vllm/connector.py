@@ -104,6 +104,11 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     # ---- worker side ----
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None:  # vLLM binds it right before the forward: the step's time starts
+            self.connector_worker.forward_started()
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self.worker.register_kv_caches(kv_caches)
 

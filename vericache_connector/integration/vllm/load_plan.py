@@ -8,8 +8,8 @@ both as the server runs and decides when vLLM asks it for a request's external t
     R      the load pipeline's rate, tokens/s: what the workers moved (bytes, in full-copy tokens) over the
            seconds at least one load was in flight (LinkMeter, reported each step), an EMA over busy spells
     a, b   a vLLM step that runs n tokens takes a + b n seconds: least squares over recent steps (a step's
-           forward as the worker times it, start_load_kv to wait_for_save: a proposer's drafting after it, which
-           would count as prefill cost, is left out)
+           forward as the worker times it, from bind_connector_metadata to build_connector_worker_meta: a
+           proposer's drafting after it, which would count as prefill cost, is left out)
     L      tokens still to load ahead on the link (a fluid backlog: each load adds its tokens, R drains it)
     C      prefill tokens still to compute ahead of this request (the requests admitted before it)
 

@@ -42,7 +42,7 @@ class VeriCacheWorkerMeta(KVConnectorWorkerMetadata):
     link_tokens: float = 0.0  # bytes received, in full-copy tokens
     busy_s: float = 0.0  # seconds at least one load was in flight
     predraft_value: float | None = None  # the proposer's decode seconds saved per second of pre-drafting
-    forward_s: float | None = None  # vLLM's forward this step (from start_load_kv to wait_for_save)
+    forward_s: float | None = None  # vLLM's forward this step (metadata bound -> worker meta asked)
 
     def aggregate(self, other: "VeriCacheWorkerMeta") -> "VeriCacheWorkerMeta":
         values = [v for v in (self.predraft_value, other.predraft_value) if v is not None]

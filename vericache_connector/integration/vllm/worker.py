@@ -66,8 +66,7 @@ class VeriCacheConnectorWorker:
         self._failed_blocks: set[int] = set()
         self._compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
         self.meter = LinkMeter()  # what the loads move, reported to the scheduler side each step
-        self._forward_t0: float | None = None
-        self._forward_s: float | None = None  # this step's forward, reported with the link's progress
+        self._forward_t0: float | None = None  # this step's forward started (reported with the link's progress)
         self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -90,8 +89,11 @@ class VeriCacheConnectorWorker:
         self._views = [kv_views(t, self.num_kv_heads, self.head_dim) for _, t in named]
         self._token_bytes = 2 * len(self._views) * self.num_kv_heads * self.head_dim * first.element_size()
 
+    def forward_started(self) -> None:
+        """vLLM bound this step's metadata: its forward runs next (build_connector_worker_meta comes after it)."""
+        self._forward_t0 = time.perf_counter()
+
     def start_load_kv(self, meta: VeriCacheMetadata) -> None:
-        self._forward_t0 = time.perf_counter()  # vLLM's forward starts now; wait_for_save is called after it
         with self._lock:
             self._loading += len(meta.loads)
             self._idle_step = meta.idle
@@ -112,12 +114,13 @@ class VeriCacheConnectorWorker:
         nbytes, busy = self.meter.take()
         drafter = None if self.handoff is None else self.handoff.drafter
         value = None if drafter is None else drafter.predraft_value()
-        forward_s, self._forward_s = self._forward_s, None
+        # vLLM asks right after its forward (before sampling and a proposer's drafting; its connector calls
+        # start_load_kv and, unless a speculative config defers it, wait_for_save after the forward too)
+        forward_s = None if self._forward_t0 is None else time.perf_counter() - self._forward_t0
+        self._forward_t0 = None
         return VeriCacheWorkerMeta(nbytes / self._token_bytes if self._views else 0.0, busy, value, forward_s)
 
     def wait_for_save(self, meta: VeriCacheMetadata) -> None:
-        if self._forward_t0 is not None:  # the forward alone (the proposer's work after it is not in it)
-            self._forward_s, self._forward_t0 = time.perf_counter() - self._forward_t0, None
         for spec in meta.saves:
             ids = torch.tensor(spec.block_ids, device=self._views[0][0].device)
             n = len(spec.prefix)
