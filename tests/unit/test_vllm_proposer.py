@@ -386,7 +386,7 @@ def test_the_proposer_measures_what_each_step_emitted_for_the_switch(setup):
     p.ngram = (64, 64)  # no n-gram matches (a random model's greedy output loops)
     others = [[(t * 7 + j) % 256 for t in range(100)] for j in range(2)]
     for step in range(4):  # three requests, one token each a step, no drafts (random rows: nothing matches)
-        p.propose(*step_args([prompt + ref[:step + 1], *(o + [step] * (step + 1) for o in others)]))
+        p.propose(*step_args([prompt + ref[: step + 1], *(o + [step] * (step + 1) for o in others)]))
     assert seen == [(3, False, 3)] * 3  # the first call has no step before it
     p.propose(*step_args([prompt + ref[:5]]))  # the batch changed: not a sample
     assert len(seen) == 3
