@@ -649,8 +649,8 @@ def table(result: dict) -> str:
             lines.append(f"- {link_name(g)}, concurrency {c}: " + "; ".join(parts))
     lines += [
         "",
-        "x best alternative: output tokens/s / the highest of plain vLLM, connector and connector + ngram at the "
-        "same link and concurrency. identical: every generated text equals plain vLLM's at the same concurrency, "
+        "x best alternative: output tokens/s / the highest of the alternatives (plain vLLM, connector, connector + "
+        "ngram; with --topology router their N replicas) at the same link and concurrency. identical: every generated text equals plain vLLM's at the same concurrency, "
         "request by request (plain vLLM's own rows: against plain vLLM at the lowest concurrency). plain vLLM reads "
         "no store: its rows repeat under every link. load avg: the 1-minute load average when the row's client "
         "started. loads: the connector's store hits per run / their mean full-copy load time in s (its log), with "
