@@ -112,6 +112,7 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
         conn.start_load_kv(None)
         assert wait_for(lambda: conn.get_finished(set())[1]) == {"b"}
         assert conn.get_block_ids_with_load_errors() == {1, 2, 3}
+        assert conn.worker._loading == 0  # both loads counted out: no idle step waits on a load that ended
     finally:
         conn.shutdown()
 

@@ -159,7 +159,7 @@ class DrafterWorker(VeriCacheConnectorWorker):
         if meta.saves:  # DrafterScheduler sends none; lossy KV must never reach the store
             logger.error("drafter role: %d saves dropped (lossy KV is never stored)", len(meta.saves))
 
-    async def _load(self, spec: LoadSpec) -> None:
+    async def _load(self, spec: LoadSpec, idle: bool = True) -> None:  # the worker's signature; idle unused here
         t0, n = time.perf_counter(), len(spec.prefix)
         first, last = spec.start // self.block_size, n // self.block_size
         ids = torch.tensor(spec.block_ids[first:last])
@@ -196,6 +196,8 @@ class DrafterWorker(VeriCacheConnectorWorker):
         finally:
             with self._lock:
                 self._done_loading.add(spec.req_id)
+                self._loading -= 1
+                self._lock.notify_all()
 
     def _put(self, comp: LayeredKV, ids: torch.Tensor, lo: int, n: int) -> None:
         for layer, (kv, vv) in enumerate(self._views):
