@@ -405,6 +405,15 @@ def log_stats(text: str) -> dict:
                 m = re.search(rf"{key}: (\d+) tokens", line)
                 spec[i] += int(m.group(1)) if m else 0
     loads = [float(m.group(1)) for _, _, rest in hits if (m := re.search(r"full after ([\d.]+)s", rest))]
+    paths: dict[str, int] = {}  # the router's line per request: how it was served, its verify calls and accepts
+    calls = accepted = 0
+    for m in re.finditer(
+        r"router: \S+: \d+ prompt \+ \d+ new tokens, (\w+).*?, (\d+) verify calls \([\d.]+s\), accepted \[([^\]]*)\]",
+        text,
+    ):
+        paths[m.group(1)] = paths.get(m.group(1), 0) + 1
+        calls += int(m.group(2))
+        accepted += sum(int(x) for x in m.group(3).split(",") if x.strip())
     return {
         "hits": len(hits),
         "hit_requests": len({req for req, _, _ in hits}),
@@ -415,6 +424,9 @@ def log_stats(text: str) -> dict:
         "decisions": decisions,
         "spec_log_accepted_drafted": spec,
         "predrafted": [int(x) for x in re.findall(r"VeriCache pre-draft: (\d+) tokens", text)],
+        "router_paths": paths,
+        "router_verify_calls": calls,
+        "router_accepted": accepted,
     }
 
 
@@ -572,6 +584,13 @@ def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     acc = [r["client"].get("spec_decode_accepted_tokens") for r in done if r.get("client")]
     dra = [r["client"].get("spec_decode_draft_tokens") for r in done if r.get("client")]
     out["accepted_drafted"] = [sum(x or 0 for x in acc), sum(x or 0 for x in dra)] if any(dra) else None
+    paths: dict[str, int] = {}
+    for lg in logs:
+        for k, v in (lg.get("router_paths") or {}).items():
+            paths[k] = paths.get(k, 0) + v
+    out["router_paths"] = paths or None  # verified / fallback / alone / passed-on requests (the router's log)
+    calls = sum(lg.get("router_verify_calls", 0) for lg in logs)
+    out["accepted_per_verify_call"] = sum(lg.get("router_accepted", 0) for lg in logs) / calls if calls else None
     out["client_json"] = [r.get("client_json") for r in mine]
     return out
 
@@ -598,6 +617,9 @@ def row_line(s: dict) -> str:
             loads += " (" + ", ".join(f"{k} {v}" for k, v in other.items() if v) + ")"
     acc = s.get("accepted_drafted")
     acc = f"{acc[0]} / {acc[1]}" if acc and acc[1] else "-"
+    if s.get("router_paths") and s["configuration"] == "router":  # how the router served: drafts verified or not
+        acc = ", ".join(f"{k} {v}" for k, v in sorted(s["router_paths"].items()))
+        acc += f"; {fmt(s.get('accepted_per_verify_call'))} per verify call"
     return (
         f"| {link_name(s['gbits'])} | {s['concurrency']} | {s['configuration']} | {fmt(s['output_throughput'], '.1f')} "
         f"| {fmt(s.get('x_best_alternative'))} | {fmt(s['mean_ttft_s'])} | {fmt(s['p90_ttft_s'])} "
@@ -655,7 +677,9 @@ def table(result: dict) -> str:
         "no store: its rows repeat under every link. load avg: the 1-minute load average when the row's client "
         "started. loads: the connector's store hits per run / their mean full-copy load time in s (its log), with "
         "its other load-or-recompute decisions, failed loads and saves (a measured server writing the store) if any. "
-        "accepted / drafted: vLLM's speculative-decoding counts over the client's requests.",
+        "accepted / drafted: vLLM's speculative-decoding counts over the client's requests; for the router, its "
+        "requests by path (verified: drafts checked by the verifier; fallback / alone: served without drafts) and "
+        "the drafts accepted per verify call.",
     ]
     return "\n".join(lines)
 

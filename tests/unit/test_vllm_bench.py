@@ -206,9 +206,16 @@ def test_log_stats_counts():
             "WARNING load of req-5 failed (TimeoutError: x): vLLM recomputes its 7 blocks",
             "INFO SpecDecoding metrics: Mean acceptance length: 2.00, Accepted: 10 tokens, Drafted: 20 tokens, x",
             "INFO SpecDecoding metrics: Mean acceptance length: 2.00, Accepted: 5 tokens, Drafted: 6 tokens, x",
+            "INFO vericache.router: router: cmpl-1: 1616 prompt + 32 new tokens, verified, 10 verify calls (1.20s), "
+            "accepted [2, 3, 0], 40 drafted in 2 streams, first token 0.40s, 2.50s",
+            "INFO vericache.router: router: cmpl-2: 1617 prompt + 32 new tokens, fallback (drafter x: error event: "
+            "EngineCore (see above), then), 0 verify calls (0.12s), accepted [], 0 drafted in 1 streams, first token "
+            "8.35s, 12.65s",
         ]
     )
     got = vllm_bench.log_stats(log)
     assert got["hits"] == 2 and got["loads_s"] == [1.7, 6.6] and got["loaded_tokens"] == [1792, 1792]
     assert got["decisions"] == {"load": 1, "recompute": 2}
     assert got["load_failures"] == 1 and got["spec_log_accepted_drafted"] == [15, 26]
+    assert got["router_paths"] == {"verified": 1, "fallback": 1}
+    assert got["router_verify_calls"] == 10 and got["router_accepted"] == 5
