@@ -137,7 +137,8 @@ class Fake:
                 request.transport.close()  # the server dies mid-stream
                 return resp
             t = truth(seq)
-            if self.role == "drafter" and self.wrong(len(seq)):
+            lossy = body.get("kv_transfer_params") != {"vericache": "off"}  # off: it computes the prompt itself
+            if self.role == "drafter" and lossy and self.wrong(len(seq)):
                 t = (t + 1) % VOCAB
             seq.append(t)
             await resp.write(

@@ -57,6 +57,7 @@ class Stats:
     # computed and decoded it by itself) | fallback (a fault: finished plainly on a verifier)
     cause: str | None = None
     verify_calls: int = 0
+    drafted_calls: int = 0  # verify calls over drafts answered
     accepted: list[int] = field(default_factory=list)
     drafted: int = 0  # draft tokens received (including those a rejection threw away)
     streams: int = 0  # drafter requests (one, plus one per restart after a rejection)
@@ -211,7 +212,9 @@ class RoutedDecode:
             best = await self.up.verify(server, self.prompt + emitted, drafts, self.cfg.verify_api, timeout_s)
             if drafts:
                 server.warm = True
-                server.verified(time.perf_counter() - t0)
+                if self.stats.drafted_calls:  # a request's first call over drafts also brings its prompt's KV in
+                    server.verified(time.perf_counter() - t0)  # (a load or a prefill): it says nothing of a queue
+                self.stats.drafted_calls += 1
             await events.put(("verdict", drafts, best))
         except UpstreamError as e:
             await events.put(("fault", e))
