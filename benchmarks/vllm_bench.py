@@ -386,6 +386,15 @@ def check_client_flags(cmd: list[str]) -> None:
 # --------------------------------------------------------------------------------------------------- server logs
 
 
+def summed(counts) -> dict[str, int]:
+    """Per-key sums of {key: count} dicts (None: nothing)."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in (c or {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def log_stats(text: str) -> dict:
     """The connector's and vLLM's counts in one server log."""
     hits = re.findall(r"hit (\S+): (\d+) tokens loaded(.*)", text)
@@ -576,19 +585,11 @@ def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     out["max_load_s"] = max(loads) if loads else None
     out["load_failures"] = sum(lg.get("load_failures", 0) for lg in logs)
     out["saves"] = sum(lg.get("saves", 0) for lg in logs)  # a measured server writing the store (a recompute)
-    decisions: dict[str, int] = {}
-    for lg in logs:
-        for k, v in lg.get("decisions", {}).items():
-            decisions[k] = decisions.get(k, 0) + v
-    out["decisions"] = decisions
+    out["decisions"] = summed(lg.get("decisions") for lg in logs)
     acc = [r["client"].get("spec_decode_accepted_tokens") for r in done if r.get("client")]
     dra = [r["client"].get("spec_decode_draft_tokens") for r in done if r.get("client")]
     out["accepted_drafted"] = [sum(x or 0 for x in acc), sum(x or 0 for x in dra)] if any(dra) else None
-    paths: dict[str, int] = {}
-    for lg in logs:
-        for k, v in (lg.get("router_paths") or {}).items():
-            paths[k] = paths.get(k, 0) + v
-    out["router_paths"] = paths or None  # verified / fallback / alone / passed-on requests (the router's log)
+    out["router_paths"] = summed(lg.get("router_paths") for lg in logs) or None  # verified / fallback / alone ...
     calls = sum(lg.get("router_verify_calls", 0) for lg in logs)
     out["accepted_per_verify_call"] = sum(lg.get("router_accepted", 0) for lg in logs) / calls if calls else None
     out["client_json"] = [r.get("client_json") for r in mine]

@@ -194,10 +194,7 @@ class DrafterWorker(VeriCacheConnectorWorker):
             with self._lock:
                 self._failed_blocks.update(spec.block_ids[first:last])
         finally:
-            with self._lock:
-                self._done_loading.add(spec.req_id)
-                self._loading -= 1
-                self._lock.notify_all()
+            self._load_ended(spec.req_id)
 
     def _put(self, comp: LayeredKV, ids: torch.Tensor, lo: int, n: int) -> None:
         for layer, (kv, vv) in enumerate(self._views):

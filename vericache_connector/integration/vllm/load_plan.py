@@ -177,13 +177,14 @@ class LoadPlanner:
         v = self.predraft_value or 0.0
         cap = (max_new - 1) * (a + b) if max_new else float("inf")
 
+        def link(x: int) -> float:  # when a load of x tokens is in
+            return (ahead_link + x) / r if x > 0 else 0.0
+
         def ready(x: int) -> float:  # when the request's KV is ready
-            link = (ahead_link + x) / r if x > 0 else 0.0
-            return max(link, ahead_cpu * b) + (n - x + suffix) * b + a
+            return max(link(x), ahead_cpu * b) + (n - x + suffix) * b + a
 
         def t(x: int) -> float:  # ... less what pre-drafting during the load saves later
-            link = (ahead_link + x) / r if x > 0 else 0.0
-            return ready(x) - (min(v * max(0.0, link - ahead_cpu * b), cap) if x > 0 else 0.0)
+            return ready(x) - (min(v * max(0.0, link(x) - ahead_cpu * b), cap) if x > 0 else 0.0)
 
         options = [0] + [e - start for e in range(self.chunk, found + 1, self.chunk) if e > start]
         if measured:  # a cache never makes the first token slower than no cache (within TTFT_SLACK)

@@ -253,7 +253,8 @@ class CompressedKVProposer:
         keys = sorted(_row_key(r.tolist()) for r in rows.values())
         prefill = bool(set(keys) - self._last_rows)  # a new request: its prefill ran in the step too
         self.pacer.propose_started(prefill=prefill)
-        self._measure_step(keys, sum(len(r) for r in rows.values()), prefill)
+        total = sum(len(r) for r in rows.values())  # the batch's tokens: what the step emitted, next step
+        self._measure_step(keys, total, prefill)
         self._last_rows, batch = set(keys), len(rows)
         allowed = self.switch.allows(batch)  # measured: do drafts raise the output at this batch size?
         self._find_handoff()
@@ -315,7 +316,7 @@ class CompressedKVProposer:
         if self.stats["proposals"] % LOG_EVERY == 0:
             logger.info("VeriCache proposer: %s, %s; %s", self.stats, self.pacer.describe(), self.switch.describe())
         self.pacer.propose_ended(sum(len(o) for o in out), rows=batch)
-        self._step_end = (keys, sum(len(r) for r in rows.values()), any(out), time.perf_counter())
+        self._step_end = (keys, total, any(out), time.perf_counter())
         return out
 
     def _measure_step(self, keys: list[int], total: int, prefill: bool) -> None:

@@ -106,6 +106,13 @@ class VeriCacheConnectorWorker:
             if fresh and not self.handoff.seeded(spec.prompt) and not self._loading:  # only on an idle link
                 self.client.submit(self._fetch_for_drafts(spec))
 
+    def _load_ended(self, req_id: str) -> None:
+        """A load is over (loaded or failed): get_finished reports it, and an idle step waits on it no more."""
+        with self._lock:
+            self._done_loading.add(req_id)
+            self._loading -= 1
+            self._lock.notify_all()
+
     def take_stats(self):
         self.stats.proposer(self.handoff.drafter if self.handoff is not None else None)
         return self.stats.take()
@@ -228,10 +235,7 @@ class VeriCacheConnectorWorker:
         finally:
             self.meter.end()
             loaded.set()
-            with self._lock:
-                self._done_loading.add(spec.req_id)
-                self._loading -= 1
-                self._lock.notify_all()
+            self._load_ended(spec.req_id)
             await asyncio.gather(drafting, return_exceptions=True)
         # split16 on a fast store: no compressed copy fetched; the proposer's is cut from the streamed KV, by
         # the proposer's draft-cache thread once the request runs (Deferred): not beside vLLM's first step
