@@ -334,7 +334,7 @@ def main(argv=None) -> int:
                 continue
             label = f"{kind} {frac:g}{'' if rate is None else f' @ {rate:g}/s'}{'' if link is None else f' {link:g} GB/s'} {policy}"
             for guarded in modes if policy == "vericache" else [False]:
-                hw, seen = None, []
+                hw, seen, added = None, [], pre_s
                 if policy == "vericache":  # the CPU's figures from this budget's full-KV run (or the last that ran)
                     fulls = [r for r in rows if r["policy"] == "full" and r.get("fits")]
                     base = next((r for r in fulls if r["budget_fraction"] == frac), fulls[-1] if fulls else None)
@@ -346,6 +346,9 @@ def main(argv=None) -> int:
                             hw, step_overhead_s=off["step_overhead_s"], verify_overhead_s=off["verify_overhead_s"]
                         )
                     seen = off.get("row_alphas", []) if off is not None else []
+                    # what a VeriCache prefill adds: measured by the unguarded run where it ran, else calibrated
+                    measured = None if off is None else off.get("prefill_overhead_s")
+                    added = pre_s if measured is None else measured
                 row = run_one(
                     model,
                     policy,
@@ -357,7 +360,7 @@ def main(argv=None) -> int:
                     label + (" + planner + guard" if guarded else ""),
                     link,
                     hw,
-                    pre_s if hw else 0.0,
+                    added if hw else 0.0,
                     guarded,
                     seen,
                 )

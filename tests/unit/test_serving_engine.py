@@ -361,3 +361,70 @@ def test_the_docs_server_loop_runs_as_written(tiny):
     exec(compile(code, "docs/serving.md", "exec"), ns)
     assert ns["streams"] == {"a": refs[0][:16], "b": refs[1][:16]}
     assert ns["report"].outputs() == ns["streams"]
+
+
+def test_a_planner_decision_holds_for_the_requests_it_was_made_for(tiny, monkeypatch):
+    """(issue 41) A budget that holds one row on full KV at a time: the engine empties after each row, and the rest
+    of the trace is not re-predicted alone: one prediction for the three requests, every row admitted on full KV
+    as it said (re-predicting a small tail, which the model overrates, put the last rows on VeriCache where they
+    lost). A request added after the decision is decided afresh, with a prediction of its own."""
+    from vericache_connector.engine import capacity
+    from vericache_connector.engine.capacity import Hardware
+
+    eng, prompts, refs, demand, store = tiny
+    predicted, empties = [], []
+    loss = capacity.Prediction(1, 0.1, 10.0, 1, 4, 0.1, 5.0, False)  # VeriCache / full KV = 0.5
+    monkeypatch.setattr(ServingEngine, "predict", lambda self, trace: predicted.append(len(trace)) or loss)
+    decide = ServingEngine._decide
+
+    def watched(self):
+        s = self.scheduler
+        if not (s.running or s.prefilling or s.paused) and (s.waiting or s.arrivals):
+            empties.append(self.now())
+        decide(self)
+
+    monkeypatch.setattr(ServingEngine, "_decide", watched)
+    per_token = demand / sum(len(p) + n for p, n in zip(prompts, NEW))
+    hw = Hardware("test figures", 1e12, 1e15, 1e9, 4e7)
+    cfg = ServingConfig(
+        compressor="snapkv-4x", k_max=16, link_bytes_per_s=4e7, hardware=hw, budget_bytes=int(700 * per_token)
+    )
+    engine = ServingEngine(eng.model, cfg, store)
+    rep = engine.run([Request(f"r{i}", prompts[i], NEW[i], seed=i) for i in range(3)])
+    assert rep.outputs() == {f"r{i}": refs[i] for i in range(3)}
+    assert len(empties) == 3  # empty before each row ...
+    assert predicted == [3]  # ... and decided once
+    assert rep.served_policy == "full" and rep.verifications == 0
+    predicted.clear()
+    engine.add_request(Request("a", prompts[0], 4))  # a server's loop: decided, served, then a new request
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(Request("b", prompts[1], 4))
+    while engine.has_unfinished():
+        engine.step()
+    assert predicted == [1, 1]
+
+
+def test_the_measured_prefill_cost_feeds_the_capacity_model(tiny, monkeypatch):
+    """(issue 41) What a VeriCache prefill adds (compression, packing, the host copy) is measured per row, reported
+    (ServingReport.prefill_overhead_s, which benchmarks/serving.py hands the guarded run) and used by the engine's
+    next predictions instead of the configured estimate; a full-KV row adds nothing to it."""
+    from vericache_connector.engine import capacity
+    from vericache_connector.engine.capacity import Hardware
+
+    eng, prompts, refs, demand, store = tiny
+    cfg = ServingConfig(compressor="kivi4", k_max=16, link_bytes_per_s=4e7, prefill_s=123.0)
+    engine = ServingEngine(eng.model, cfg, store)
+    assert engine.prefill_added_s is None
+    rep = engine.run([Request(f"r{i}", prompts[i], NEW[i], seed=i) for i in range(2)])
+    assert rep.outputs() == {f"r{i}": refs[i] for i in range(2)}
+    assert 0 < engine.prefill_added_s < rep.split.prefill_s and rep.prefill_overhead_s == engine.prefill_added_s
+    seen = []
+    orig = capacity.for_trace
+    monkeypatch.setattr(capacity, "for_trace", lambda *a, **k: seen.append(k["prefill_s"]) or orig(*a, **k))
+    engine.cfg = ServingConfig(**{**cfg.__dict__, "hardware": Hardware("test figures", 1e12, 1e15, 1e9, 4e7)})
+    engine.predict([Request("x", prompts[0], 8)])
+    assert seen == [engine.prefill_added_s]
+    full = ServingEngine(eng.model, ServingConfig(policy="full"), store)
+    full.run([Request("r0", prompts[0], 4)])
+    assert full.prefill_added_s is None

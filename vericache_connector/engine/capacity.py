@@ -275,10 +275,13 @@ def _serve(hw, wl, compression, alphas, x, slots, per_row, full_row, reload_s, d
     return t, steps, bound
 
 
-def for_trace(engine, trace, alpha: float | Sequence[float], hw: Hardware | None = None) -> Prediction:
+def for_trace(
+    engine, trace, alpha: float | Sequence[float], hw: Hardware | None = None, prefill_s: float | None = None
+) -> Prediction:
     """The model for a ServingEngine's trace (its requests) on hw (default: engine.cfg.hardware): full KV against
     VeriCache with this compressor as the pools hold it, rows sized by the scheduler's formula (engine.sizes), alpha
-    the per-row acceptance (one figure or the rows seen)."""
+    the per-row acceptance (one figure or the rows seen), prefill_s what a VeriCache prefill adds (default
+    engine.cfg.prefill_s)."""
     from .sequence import Sequence as Row
 
     cfg, mc, bs = engine.cfg, engine.model.cfg, engine.cfg.block_size
@@ -311,7 +314,7 @@ def for_trace(engine, trace, alpha: float | Sequence[float], hw: Hardware | None
         k_max,
         attn_flops_per_pair=4 * mc.num_heads * mc.head_dim * mc.num_layers,
         new_tokens=statistics.fmean(r.max_new_tokens for r in trace),
-        prefill_s=cfg.prefill_s,
+        prefill_s=cfg.prefill_s if prefill_s is None else prefill_s,
         vc_row_bytes=statistics.fmean(engine.sizes.resident_bytes(r, full=False) for r in rows),
         full_row_bytes=statistics.fmean(engine.sizes.resident_bytes(r, full=True) for r in rows),
         vc_reserve_bytes=max(engine.sizes.transient_bytes(r, full=False) for r in rows),

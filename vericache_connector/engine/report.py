@@ -104,6 +104,7 @@ class ServingReport:
     # (the engine's measurement, which its next predictions use: Hardware.step_overhead_s, verify_overhead_s)
     step_overhead_s: float | None = None
     verify_overhead_s: float | None = None
+    prefill_overhead_s: float | None = None  # what a VeriCache prefill adds per row (ServingConfig.prefill_s)
 
     @classmethod
     def build(

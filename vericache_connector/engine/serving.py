@@ -82,6 +82,9 @@ class ServingEngine:
         # ((per step, per verification) seconds; measured with cfg.hardware)
         self.seen_alphas: list[float] = []
         self.overhead: tuple[float, float] | None = None
+        # what a VeriCache prefill adds to the prompt's forward (compression, packing, the host copy), measured per
+        # row (EMA); the capacity model's prefill_s once measured (engine/calibrate.py's estimate before)
+        self.prefill_added_s: float | None = None
         params = list(model.parameters())
         self._step_wl = capacity.Workload(
             sum(p.numel() * p.element_size() for p in params),
@@ -100,6 +103,7 @@ class ServingEngine:
         self.scheduler = self.pools = self.link = self.runner = self.prediction = None
         self.split, self.reload_failures, self._stalled_s, self.t0 = TimeSplit(), 0, 0.0, None
         self.guard, self._full_rate, self.guard_tripped_s = Guard(self.cfg.guard_margin), None, None
+        self._decided: set[int] = set()  # the rows (id of their Sequence) a planner decision was made for
 
     @staticmethod
     @torch.inference_mode()
@@ -220,6 +224,7 @@ class ServingEngine:
         if self.prediction is not None:
             rep.prediction = {**dataclasses.asdict(self.prediction), "speedup": self.prediction.speedup}
         rep.step_overhead_s, rep.verify_overhead_s = self.overhead or (None, None)
+        rep.prefill_overhead_s = self.prefill_added_s
         return rep
 
     def close(self) -> None:
@@ -244,15 +249,23 @@ class ServingEngine:
         """Where VeriCache does not pay, rows go on full KV (Scheduler.fallback). Before VeriCache rows run (nothing
         admitted, requests waiting or to arrive), the planner: the capacity model (cfg.hardware) for those requests;
         where it predicts VeriCache / full KV <= 1 + cfg.fallback_margin, they are admitted on full KV. While they
-        run, the guard (guard.py): where their measured rate is below full KV's, rows move to full KV."""
+        run, the guard (guard.py): where their measured rate is below full KV's, rows move to full KV.
+        A decision holds for the requests it was made for: the engine empties between waves (a budget that holds a
+        few rows), and the rest of a trace is not re-predicted alone (a tail of two rows looks better to the model
+        than it serves) nor moved back to VeriCache after the guard measured a loss. Requests added since are
+        decided afresh, with everything known then."""
         s, cfg = self.scheduler, self.cfg
         if cfg.policy != "vericache":
             return
         if not (s.running or s.prefilling or s.paused):
             self.guard.reset()
+            pending = list(s.waiting) + s.arrivals
+            if not any(id(q) not in self._decided for q in pending):
+                return
+            self._decided.update(id(q) for q in pending)
             s.fallback = False
-            if cfg.hardware is not None and (s.waiting or s.arrivals):
-                pred = self.predict([q.request for q in list(s.waiting) + s.arrivals])
+            if cfg.hardware is not None:
+                pred = self.predict([q.request for q in pending])
                 s.fallback = cfg.planner and pred.speedup <= 1 + cfg.fallback_margin
                 self.prediction, self._full_rate = self.prediction or pred, pred.full_tokens_per_s
             return
@@ -263,12 +276,13 @@ class ServingEngine:
 
     def predict(self, trace: list[Request]) -> capacity.Prediction:
         """The capacity model (engine/capacity.py) for these requests on cfg.hardware, with the acceptance of the
-        rows this engine has seen (else cfg.alpha_rows, else cfg.alpha_prior) and the overheads it measured."""
+        rows this engine has seen (else cfg.alpha_rows, else cfg.alpha_prior) and the overheads it measured (per
+        step, per verification, per VeriCache prefill; else the configured ones)."""
         hw = self.cfg.hardware
         if self.overhead is not None:
             hw = dataclasses.replace(hw, step_overhead_s=self.overhead[0], verify_overhead_s=self.overhead[1])
         alphas = self.seen_alphas or list(self.cfg.alpha_rows) or self.cfg.alpha_prior
-        return capacity.for_trace(self, trace, alphas, hw)
+        return capacity.for_trace(self, trace, alphas, hw, prefill_s=self.prefill_added_s)
 
     def now(self) -> float:
         """Seconds on the engine's clock (0 until the first step)."""
@@ -283,14 +297,16 @@ class ServingEngine:
         host = HostEntry([], [], stored, stored) if self.cfg.policy == "vericache" and not full_row else None
         pin = self.model.device.type == "cuda"
         draft_len = packed_len = 0
+        added = 0.0  # seconds in the layers' compression, packing and host copy (what VeriCache adds)
         ids = seq.request.prompt_ids
 
         def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor, obs: torch.Tensor | None) -> None:
-            nonlocal draft_len, packed_len
+            nonlocal draft_len, packed_len, added
             if full_row:
                 full = pools["full"]
                 full.write(layer, full.slots(seq.blocks["full"], 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
                 return
+            t0 = time.perf_counter()
             side, dropped = self.placer.draft_side(ids, layer, k, v, obs)
             if side[0] == "packed":  # the codes into packed blocks, KIVI's residual into the draft pool
                 packed_len = self._write_packed(seq, layer, side[1], side[2])
@@ -315,11 +331,15 @@ class ServingEngine:
                 full = pools["full"]  # the prompt's last partial block stays resident
                 tail = full.slots(seq.blocks["full"], 0, seq.prompt_len - stored)
                 full.write(layer, tail, k[:, stored:].transpose(0, 1), v[:, stored:].transpose(0, 1))
+            added += time.perf_counter() - t0
 
         needs_queries = self.compressor is not None and self.compressor.needs_queries and not full_row
         logits = self.runner.prefill(ids, self.cfg.obs_window if needs_queries else 0, on_layer, self.prefill_store)
         if self.complement and not full_row:  # the draft view: [kept positions, the resident tail's blocks (shared)]
             draft_len += seq.prompt_len - stored
+        if not full_row:
+            m = self.prefill_added_s
+            self.prefill_added_s = added if m is None else 0.8 * m + 0.2 * added
         first, _ = sample(logits[None], self.cfg.temperature, seq.generator)
         return Prefilled(int(first[0]), draft_len, host, packed_len)
 
