@@ -118,6 +118,7 @@ class VLLMCluster:
 
         argv = ["router", "--port", "0", "--verifier", self.verifier.url, "--k-max", str(self.args.draft_k)]
         argv += ["--draft-k", str(self.args.draft_k)]
+        argv += ["--verifier-decode-slots", "0"]  # "verified" measures drafting: no request decoded on the verifier
         for drafter, _ in self.nodes:
             argv += ["--drafter", drafter.url]
         env = procs.node_env(self.store, {"VERICACHE_ROUTER_TOKEN": self.token})

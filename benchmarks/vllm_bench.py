@@ -185,6 +185,8 @@ def writer_config(ctx: Context):
 
 
 def parse_args(argv=None):
+    from vericache_connector.router.config import RouterConfig
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n    python")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -199,6 +201,13 @@ def parse_args(argv=None):
     p.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens of vLLM's n-gram proposer")
     p.add_argument("--topology", default="single", choices=list(TOPOLOGIES), help="one server, or the router's")
     p.add_argument("--drafters", type=int, default=2, help="--topology router: drafter-role servers (and replicas)")
+    p.add_argument(
+        "--verifier-decode-slots",
+        type=int,
+        default=RouterConfig.verifier_decode_slots,
+        help="--topology router: the router's --verifier-decode-slots (greedy requests the verifier decodes by "
+        "itself at a time, path direct; 0: every request drafted and verified)",
+    )
     p.add_argument(
         "--scale-to",
         default=None,
@@ -230,6 +239,8 @@ def parse_args(argv=None):
     a.scale_to = a.scale_to or ("llama3-8b" if a.topology == "router" else "none")
     if a.topology == "router" and a.drafters < 1:
         p.error(f"--drafters must be >= 1, got {a.drafters}")
+    if a.verifier_decode_slots < 0:
+        p.error(f"--verifier-decode-slots must be >= 0, got {a.verifier_decode_slots}")
     if a.documents < 1 or a.doc_tokens < 16 or not 1 <= a.questions <= len(QUESTIONS):
         p.error(f"bad workload: --documents {a.documents}, --doc-tokens {a.doc_tokens}, --questions {a.questions}")
     if a.new < 2 or a.spec_k < 1 or a.ngram_k < 1 or a.rounds < 1:
@@ -589,7 +600,7 @@ def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     acc = [r["client"].get("spec_decode_accepted_tokens") for r in done if r.get("client")]
     dra = [r["client"].get("spec_decode_draft_tokens") for r in done if r.get("client")]
     out["accepted_drafted"] = [sum(x or 0 for x in acc), sum(x or 0 for x in dra)] if any(dra) else None
-    out["router_paths"] = summed(lg.get("router_paths") for lg in logs) or None  # verified / fallback / alone ...
+    out["router_paths"] = summed(lg.get("router_paths") for lg in logs) or None  # verified / direct / alone ...
     calls = sum(lg.get("router_verify_calls", 0) for lg in logs)
     out["accepted_per_verify_call"] = sum(lg.get("router_accepted", 0) for lg in logs) / calls if calls else None
     out["client_json"] = [r.get("client_json") for r in mine]
@@ -679,8 +690,9 @@ def table(result: dict) -> str:
         "started. loads: the connector's store hits per run / their mean full-copy load time in s (its log), with "
         "its other load-or-recompute decisions, failed loads and saves (a measured server writing the store) if any. "
         "accepted / drafted: vLLM's speculative-decoding counts over the client's requests; for the router, its "
-        "requests by path (verified: drafts checked by the verifier; fallback / alone: served without drafts) and "
-        "the drafts accepted per verify call.",
+        "requests by path (verified: drafts checked by the verifier; direct: decoded on the verifier by itself, "
+        "the alternatives have no such node; fallback / alone: served without drafts) and the drafts accepted per "
+        "verify call.",
     ]
     return "\n".join(lines)
 
@@ -908,8 +920,12 @@ def dry_run(args, model, max_len, work: Workload, workload: dict, runs: list[Run
     for run in runs:
         ctx = Context(args, model, max_len, gbits=run.gbits, store_url=f"local://<store>/{run.name}", name=run.name)
         print(f"\n{run.name} ({run.config.label}, {link_name(run.gbits)}, concurrency {run.concurrency}):")
-        for name, cfg in run.config.servers(ctx).items():
+        servers = run.config.servers(ctx)
+        for name, cfg in servers.items():
             print(f"  server {name}: " + shlex.join(cfg.command(0)).replace("--port 0", f"--port {port}"))
+        if hasattr(run.config, "router_argv"):  # --topology router: `vericache router` in front of them
+            urls = {name: f"http://127.0.0.1:<{name} port>" for name in servers}
+            print("  vericache " + shlex.join(run.config.router_argv(ctx, urls)).replace("--port 0", f"--port {port}"))
         cmd = client_command(
             args,
             model,

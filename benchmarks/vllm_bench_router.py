@@ -2,7 +2,9 @@
 
   router                   N drafter-role vLLM servers across the EMULATED slow link (compressed copies only)
                            + one verifier vLLM server beside the store (its connector loads the full copy, no
-                           link limit) + `vericache router` in front: drafts verified, output exact
+                           link limit) + `vericache router` in front: drafts verified, output exact; with
+                           --verifier-decode-slots N > 0, up to N requests at a time decoded on the verifier
+                           by itself (path direct, exact)
   connector (N replicas)   the same N servers' cores running N plain connector servers over the same slow link
                            (each loads full copies), behind `vericache router` with no drafters: a prefix-aware
                            proxy (requests that share a prefix go to the same replica)
@@ -128,15 +130,9 @@ class RouterTopology:
         for srv in started.values():
             if "drafter" not in srv.cfg.kv_extra.get("role", ""):
                 srv.complete(list(range(1000, 1064)), 4)  # first-request overheads out of the timings
-        argv = ["router", "--port", "0"]
-        if self.kind == "router":
-            argv += ["--verifier", started["verifier"].url]
-            argv += [x for name, srv in started.items() if name.startswith("drafter") for x in ("--drafter", srv.url)]
-        else:
-            argv += [x for srv in started.values() for x in ("--verifier", srv.url)]
         router = procs.Proc(
             f"router-{ctx.name}",
-            argv,
+            self.router_argv(ctx, {name: srv.url for name, srv in started.items()}),
             str(ctx.log_path("router")),
             procs.node_env(ctx.store_url or "local://unused", {"VERICACHE_ROUTER_TOKEN": TOKEN}),
             cores(ctx, "node"),
@@ -145,6 +141,15 @@ class RouterTopology:
         url = router.wait_ready(180)
         wait_models(url)
         return url
+
+    def router_argv(self, ctx, urls: dict[str, str]) -> list[str]:
+        """`vericache router`'s command line in front of the servers (name: URL); the replicas behind it as its
+        verifier pool, with no drafters (a prefix-aware proxy: --verifier-decode-slots applies to none)."""
+        if self.kind != "router":
+            return ["router", "--port", "0"] + [x for url in urls.values() for x in ("--verifier", url)]
+        argv = ["router", "--port", "0", "--verifier", urls["verifier"]]
+        argv += ["--verifier-decode-slots", str(ctx.args.verifier_decode_slots)]
+        return argv + [x for name, url in urls.items() if name.startswith("drafter") for x in ("--drafter", url)]
 
 
 def wait_models(url: str, timeout_s: float = 120) -> None:

@@ -159,10 +159,12 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 class Stack:
     """The stand-ins and the router in front of them: `async with Stack(verifiers, drafters) as st`, then
     st.post(body) or any client on st.url; st.router is the Router (its pools: which server is marked down).
-    A stand-in given as None is a server that is down (a port nothing listens on)."""
+    A stand-in given as None is a server that is down (a port nothing listens on). Greedy requests are drafted
+    and verified unless a test gives the verifiers decode slots of their own (verifier_decode_slots=N: the
+    router's path "direct", tests/unit/test_router_direct.py)."""
 
     def __init__(self, verifiers, drafters, **cfg):
-        self.verifiers, self.drafters, self.cfg = verifiers, drafters, cfg
+        self.verifiers, self.drafters, self.cfg = verifiers, drafters, {"verifier_decode_slots": 0, **cfg}
         self.runners: list = []
 
     async def __aenter__(self) -> "Stack":

@@ -71,7 +71,9 @@ def test_eos_ends_the_request_as_the_verifier_would():
         runners = []
         v, d = Fake("verifier"), Fake("drafter")
         (rv, uv), (rd, ud) = await serve(v.app()), await serve(d.app())
-        router = Router(RouterConfig(verifiers=[uv], drafters=[ud], tokenizer="x"), TOKEN.encode())
+        router = Router(
+            RouterConfig(verifiers=[uv], drafters=[ud], tokenizer="x", verifier_decode_slots=0), TOKEN.encode()
+        )
         router.tokenizer, router.eos, router.name = Detok(), frozenset({eos}), "fake"
         rr, url = await serve(make_app(router))
         runners += [rv, rd, rr]

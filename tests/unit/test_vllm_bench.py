@@ -211,11 +211,30 @@ def test_log_stats_counts():
             "INFO vericache.router: router: cmpl-2: 1617 prompt + 32 new tokens, fallback (drafter x: error event: "
             "EngineCore (see above), then), 0 verify calls (0.12s), accepted [], 0 drafted in 1 streams, first token "
             "8.35s, 12.65s",
+            "INFO vericache.router: router: cmpl-3: 1616 prompt + 32 new tokens, direct, 0 verify calls (0.00s), "
+            "accepted [], 0 drafted in 0 streams, first token 0.30s, 2.10s",
         ]
     )
     got = vllm_bench.log_stats(log)
     assert got["hits"] == 2 and got["loads_s"] == [1.7, 6.6] and got["loaded_tokens"] == [1792, 1792]
     assert got["decisions"] == {"load": 1, "recompute": 2}
     assert got["load_failures"] == 1 and got["spec_log_accepted_drafted"] == [15, 26]
-    assert got["router_paths"] == {"verified": 1, "fallback": 1}
+    assert got["router_paths"] == {"verified": 1, "fallback": 1, "direct": 1}
     assert got["router_verify_calls"] == 10 and got["router_accepted"] == 5
+
+
+def test_the_router_topology_passes_the_verifier_decode_slots_to_the_router_only():
+    from vericache_connector.router.config import RouterConfig
+
+    args = vllm_bench.parse_args(["--topology", "router"])
+    assert args.verifier_decode_slots == RouterConfig.verifier_decode_slots  # the router's own default
+    args = vllm_bench.parse_args(["--topology", "router", "--verifier-decode-slots", "0"])
+    ctx = vllm_bench.Context(args, "/m", 4096)
+    urls = {"verifier": "http://v", "drafter0": "http://d0", "drafter1": "http://d1"}
+    router, plain = (vllm_bench.BY_NAME[name] for name in ("router", "plain-replicas"))
+    assert router.router_argv(ctx, urls) == ["router", "--port", "0", "--verifier", "http://v",
+                                             "--verifier-decode-slots", "0", "--drafter", "http://d0",
+                                             "--drafter", "http://d1"]  # fmt: skip
+    assert plain.router_argv(ctx, {"plain0": "http://p0"}) == ["router", "--port", "0", "--verifier", "http://p0"]
+    with pytest.raises(SystemExit):
+        vllm_bench.parse_args(["--topology", "router", "--verifier-decode-slots", "-1"])

@@ -67,6 +67,9 @@ class RouterConfig:
     max_verify_inflight: int = 32  # a verifier with this many verify calls out is saturated ...
     verify_slow_s: float = 2.0  # ... or one whose verify calls took this long lately: new requests then go
     # to a drafter alone (it computes the prompt and decodes by itself, exact) until the verifier catches up
+    verifier_decode_slots: int = 1  # greedy requests a verifier decodes by itself at a time (path "direct"): its
+    # greedy output is the answer and its full copy loads fast, so while it has spare capacity that beats
+    # drafting far from the store; 1: a request arriving at an idle verifier goes there; 0: never
     max_body_bytes: int = 4 << 20
 
     def __post_init__(self):
@@ -80,6 +83,8 @@ class RouterConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if type(self.verifier_decode_slots) is not int or self.verifier_decode_slots < 0:
+            raise ValueError(f"verifier_decode_slots must be an integer >= 0, got {self.verifier_decode_slots!r}")
         if self.k_min > self.k_max:
             raise ValueError(f"need k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}")
         for f in fields(self):
@@ -129,6 +134,13 @@ def add_router_args(p) -> None:
         default=d["verify_slow_s"].default,
         help="a verifier whose verify calls took this long lately is saturated too",
     )
+    p.add_argument(
+        "--verifier-decode-slots",
+        type=int,
+        default=d["verifier_decode_slots"].default,
+        help="greedy requests a verifier that is not saturated decodes by itself at a time, no drafts (path "
+        "direct: exact, its full copy beside the store); the rest are drafted and verified; 0: never",
+    )
 
 
 def config_from_args(args) -> RouterConfig:
@@ -149,4 +161,5 @@ def config_from_args(args) -> RouterConfig:
         down_s=args.down_s,
         max_verify_inflight=args.max_verify_inflight,
         verify_slow_s=args.verify_slow_s,
+        verifier_decode_slots=args.verifier_decode_slots,
     )

@@ -15,6 +15,11 @@ flight. S = prompt + emitted + spec, as there: `emitted` are verified, `spec` th
     and a new one starts from prompt + emitted (the drafter's prefix cache keeps the prompt's blocks).
 So the output is the verifier's greedy output, token for token.
 
+Direct: while a verifier that is up and not saturated decodes fewer than cfg.verifier_decode_slots requests by
+itself, a greedy request is decoded plainly there from the start, no drafts (its greedy output is the answer,
+and its full copy loads beside the store): where the drafters' cores are the bottleneck, the verifier's spare
+capacity serves it faster. Of those free, the verifier with the fewest direct requests and verify calls out.
+
 Faults: a drafter that cannot be reached, errors, stalls or sends garbage, a verifier that does, or a
 verdict that does not fit: logged with the cause, and the request is finished by plain decoding on a
 verifier (another one if the faulty one was the verifier) from prompt + emitted. Sampling (temperature
@@ -53,8 +58,9 @@ class Wanted:
 
 @dataclass
 class Stats:
-    path: str = "verified"  # verified | plain (sampling, no drafter) | alone (verifiers saturated: a drafter
-    # computed and decoded it by itself) | fallback (a fault: finished plainly on a verifier)
+    path: str = "verified"  # verified | plain (sampling, no drafter) | direct (a verifier's free decode slot: it
+    # decoded it by itself) | alone (verifiers saturated: a drafter computed and decoded it by itself) | fallback
+    # (a fault: finished plainly on a verifier)
     cause: str | None = None
     verify_calls: int = 0
     drafted_calls: int = 0  # verify calls over drafts answered
@@ -101,6 +107,20 @@ class RoutedDecode:
             tried: set[str] = set()
             if self.want.temperature > 0 or not self.drafters.servers:
                 self.stats.path = "plain"
+            elif (verifier := self._free_verifier()) is not None:  # no await since the pick: the slot is ours
+                self.stats.path = "direct"
+                verifier.direct += 1
+                try:
+                    await self._plain(verifier, out)
+                except ClientError:
+                    raise
+                except UpstreamError as e:  # finished below, from prompt + emitted, as after any verifier fault
+                    self.verifiers.fault(verifier)
+                    tried.add(verifier.url)
+                    self.stats.path, self.stats.cause = "fallback", str(e)
+                    logger.warning("router: direct decoding failed (%s); finishing on a verifier", e)
+                finally:  # a failure or a client gone never keeps the slot
+                    verifier.direct -= 1
             elif self.alone:  # the verifiers are saturated: a drafter computes and decodes it by itself
                 self.stats.path = "alone"
                 drafter = self.drafters.pick_for(affinity_key(self.prompt))
@@ -145,6 +165,13 @@ class RoutedDecode:
                 raise UpstreamError(self.verifiers.servers[-1], f"every verifier failed ({self.stats.cause})")
         finally:
             await out.put(None)
+
+    def _free_verifier(self) -> Server | None:
+        """The verifier to decode this request by itself (path "direct"), or None: draft and verify."""
+        c, now = self.cfg, time.monotonic()
+        free = [s for s in self.verifiers.servers if s.down_until <= now and s.direct < c.verifier_decode_slots]
+        free = [s for s in free if not s.saturated(c.max_verify_inflight, c.verify_slow_s)]
+        return min(free, key=lambda s: s.direct + s.inflight, default=None)
 
     # ---- the emit rule, once per verified chunk -----------------------------------------------------------
     async def _emit(self, tokens: list[int], out: asyncio.Queue) -> None:

@@ -1,7 +1,8 @@
 """The router's /metrics (prometheus_client, vericache_connector.metrics): what it answered and how.
 
-vericache_router_requests_total{route, path}   answered requests: path verified | plain | alone | fallback |
-                                                passed (to a verifier as they came) | refused | failed | gone
+vericache_router_requests_total{route, path}   answered requests: path verified | direct | plain | alone |
+                                                fallback | passed (to a verifier as they came) | refused |
+                                                failed | gone
 vericache_router_request_seconds{route}        time to answer (histogram)
 vericache_router_verify_calls_total            verify calls answered
 vericache_router_accepted_drafts               drafts accepted per verify call (histogram)

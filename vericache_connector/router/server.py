@@ -9,11 +9,13 @@ POST /v1/completions and /v1/chat/completions, streamed or not, answer like vLLM
 request (temperature 0, no options that change greedy decoding) runs the draft / verify loop
 (decode.py): drafts from a drafter-role vLLM server on the compressed copy, checked by a verifier
 beside the store, each verified token streamed as soon as it is verified; its output is the verifier's
-own greedy output. Everything else (sampling, stop strings, logprobs, n > 1, penalties, tools, ...) is
-passed to a verifier as it came and its answer passed back: plain decoding there, exact by construction.
-Prompts are tokenized by the verifier (/tokenize: its tokenizer and chat template); answers' text is
-decoded here with the same tokenizer. Every answer carries "vericache": how it was served (path
-verified | plain | fallback, the fault that caused a fallback, verify calls, drafts accepted per call).
+own greedy output; while a verifier has a free decode slot (--verifier-decode-slots) it decodes the
+request by itself instead (path direct: the same output). Everything else (sampling, stop strings,
+logprobs, n > 1, penalties, tools, ...) is passed to a verifier as it came and its answer passed back:
+plain decoding there, exact by construction. Prompts are tokenized by the verifier (/tokenize: its
+tokenizer and chat template); answers' text is decoded here with the same tokenizer. Every answer carries
+"vericache": how it was served (path verified | direct | plain | alone | fallback, the fault that caused a
+fallback, verify calls, drafts accepted per call).
 GET /health answers once the router serves; GET /v1/models lists the served model; GET /metrics its Prometheus
 series (observe.py).
 """
@@ -362,7 +364,8 @@ def main(args) -> int:
         port = runner.addresses[0][1]
         print(
             f"vericache router: serving requests on http://{args.host}:{port} (verifiers {', '.join(cfg.verifiers)}; "
-            f"drafters {', '.join(cfg.drafters) or 'none'}; verify api {cfg.verify_api})",
+            f"drafters {', '.join(cfg.drafters) or 'none'}; verify api {cfg.verify_api}; "
+            f"verifier decode slots {cfg.verifier_decode_slots})",
             flush=True,
         )
         warm = asyncio.create_task(warm_up(router))

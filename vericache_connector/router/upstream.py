@@ -68,6 +68,7 @@ class Server:
     down_until: float = 0.0
     warm: bool = False  # a verifier that has answered a call with drafts (the first may take the open deadline)
     inflight: int = 0  # verify calls out now (a verifier's queue, as the router sees it)
+    direct: int = 0  # requests it decodes by itself now (path "direct": RouterConfig.verifier_decode_slots)
     verify_s: float | None = None  # EMA of its verify calls' round trips (drafted calls only)
     verify_at: float = 0.0  # when the last one came back
 

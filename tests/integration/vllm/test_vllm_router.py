@@ -109,6 +109,9 @@ def dead_url() -> str:
 
 
 def route(verifiers, drafters, **cfg) -> RouterThread:
+    """The router in front of them; greedy requests drafted and verified (no verifier decode slots: the
+    tests here check speculation; the direct path: tests/unit/test_router_direct.py)."""
+    cfg = {"verifier_decode_slots": 0, **cfg}
     return RouterThread(RouterConfig(verifiers=verifiers, drafters=drafters, **cfg), TOKEN.encode())
 
 
