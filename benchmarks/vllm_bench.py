@@ -209,6 +209,13 @@ def parse_args(argv=None):
         "itself at a time, path direct; 0: every request drafted and verified)",
     )
     p.add_argument(
+        "--max-verifier-decode-slots",
+        type=int,
+        default=None,
+        help="--topology router: the router's --max-verifier-decode-slots (the direct slots grow up to this while "
+        "direct requests are faster; default: the router's; equal to --verifier-decode-slots: a fixed count)",
+    )
+    p.add_argument(
         "--scale-to",
         default=None,
         choices=["llama3-8b", "none"],
@@ -241,6 +248,9 @@ def parse_args(argv=None):
         p.error(f"--drafters must be >= 1, got {a.drafters}")
     if a.verifier_decode_slots < 0:
         p.error(f"--verifier-decode-slots must be >= 0, got {a.verifier_decode_slots}")
+    most = a.max_verifier_decode_slots
+    if most is not None and most < a.verifier_decode_slots:
+        p.error(f"--max-verifier-decode-slots must be >= --verifier-decode-slots, got {most}")
     if a.documents < 1 or a.doc_tokens < 16 or not 1 <= a.questions <= len(QUESTIONS):
         p.error(f"bad workload: --documents {a.documents}, --doc-tokens {a.doc_tokens}, --questions {a.questions}")
     if a.new < 2 or a.spec_k < 1 or a.ngram_k < 1 or a.rounds < 1:

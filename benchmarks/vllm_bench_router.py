@@ -4,7 +4,8 @@
                            + one verifier vLLM server beside the store (its connector loads the full copy, no
                            link limit) + `vericache router` in front: drafts verified, output exact; with
                            --verifier-decode-slots N > 0, up to N requests at a time decoded on the verifier
-                           by itself (path direct, exact)
+                           by itself (path direct, exact), N sized by the router up to
+                           --max-verifier-decode-slots from what its requests measured
   connector (N replicas)   the same N servers' cores running N plain connector servers over the same slow link
                            (each loads full copies), behind `vericache router` with no drafters: a prefix-aware
                            proxy (requests that share a prefix go to the same replica)
@@ -149,6 +150,8 @@ class RouterTopology:
             return ["router", "--port", "0"] + [x for url in urls.values() for x in ("--verifier", url)]
         argv = ["router", "--port", "0", "--verifier", urls["verifier"]]
         argv += ["--verifier-decode-slots", str(ctx.args.verifier_decode_slots)]
+        if ctx.args.max_verifier_decode_slots is not None:
+            argv += ["--max-verifier-decode-slots", str(ctx.args.max_verifier_decode_slots)]
         return argv + [x for name, url in urls.items() if name.startswith("drafter") for x in ("--drafter", url)]
 
 

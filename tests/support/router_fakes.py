@@ -161,10 +161,12 @@ class Stack:
     st.post(body) or any client on st.url; st.router is the Router (its pools: which server is marked down).
     A stand-in given as None is a server that is down (a port nothing listens on). Greedy requests are drafted
     and verified unless a test gives the verifiers decode slots of their own (verifier_decode_slots=N: the
-    router's path "direct", tests/unit/test_router_direct.py)."""
+    router's path "direct", tests/unit/test_router_direct.py; a fixed count unless max_verifier_decode_slots is
+    given too)."""
 
     def __init__(self, verifiers, drafters, **cfg):
         self.verifiers, self.drafters, self.cfg = verifiers, drafters, {"verifier_decode_slots": 0, **cfg}
+        self.cfg.setdefault("max_verifier_decode_slots", self.cfg["verifier_decode_slots"])  # fixed unless given
         self.runners: list = []
 
     async def __aenter__(self) -> "Stack":

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from vericache_connector.router.config import RouterConfig, add_router_args, config_from_args  # noqa: E402
 from vericache_connector.router.decode import RoutedDecode, Wanted  # noqa: E402
+from vericache_connector.router.slots import DirectSlots  # noqa: E402
 from vericache_connector.router.upstream import Pool  # noqa: E402
 
 from router_fakes import VOCAB, Fake, Stack, greedy  # noqa: E402
@@ -164,9 +165,80 @@ def test_the_free_verifier_is_up_not_saturated_and_the_least_busy():
 def test_the_slots_are_a_checked_option():
     p = argparse.ArgumentParser()
     add_router_args(p)
-    assert config_from_args(p.parse_args(["--verifier", "http://v:8000"])).verifier_decode_slots == 1
+    cfg = config_from_args(p.parse_args(["--verifier", "http://v:8000"]))
+    assert cfg.verifier_decode_slots == 1 and cfg.max_verifier_decode_slots == 8
+    args = p.parse_args(["--verifier", "http://v:8000", "--verifier-decode-slots", "12"])
+    assert config_from_args(args).max_verifier_decode_slots == 12  # the default most, or the count if higher
+    args = p.parse_args(
+        ["--verifier", "http://v:8000", "--verifier-decode-slots", "2", "--max-verifier-decode-slots", "2"]
+    )
+    assert config_from_args(args).max_verifier_decode_slots == 2  # a fixed count
+    with pytest.raises(
+        ValueError, match=r"max_verifier_decode_slots must be an integer >= verifier_decode_slots \(3\)"
+    ):
+        RouterConfig(verifiers=["http://v:8000"], verifier_decode_slots=3, max_verifier_decode_slots=2)
     args = p.parse_args(["--verifier", "http://v:8000", "--verifier-decode-slots", "0"])
     assert config_from_args(args).verifier_decode_slots == 0
     for bad in (-1, True, 1.5, "2"):
         with pytest.raises(ValueError, match=f"verifier_decode_slots must be an integer >= 0, got {bad!r}"):
             RouterConfig(verifiers=["http://v:8000"], verifier_decode_slots=bad)
+
+
+def test_the_direct_slots_follow_what_the_finished_requests_measured():
+    """router/slots.py: a direct request about as fast as the drafted ones go (or faster) adds a slot, up to the
+    most; direct requests slower than drafted ones take one away, down to 1; with no drafted request measured
+    yet the first direct request's rate stands in; a fixed count (most == initial) or 0 never moves."""
+    s = DirectSlots(1, 3)
+    s.observe("direct", 40, 4.0)  # 10 tok/s, nothing to compare with but itself
+    assert s.limit == 2
+    s.observe("verified", 40, 8.0)  # 5 tok/s drafted
+    s.observe("direct", 40, 5.0)  # 8 tok/s: still faster
+    s.observe("direct", 40, 5.0)
+    assert s.limit == 3  # the most
+    for _ in range(6):  # the verifier slows under its direct requests: 2 tok/s each
+        s.observe("direct", 40, 20.0)
+    assert s.limit == 1  # handed back to the drafters, one at a time, never below 1
+    s.observe("alone", 40, 1.0)  # other paths are not counted
+    assert s.limit == 1 and s.rate["direct"] < 5.0
+    alone = DirectSlots(1, 4)  # no drafted request yet: the first direct rate is the bar
+    alone.observe("direct", 40, 4.0)
+    for _ in range(8):
+        alone.observe("direct", 40, 16.0)  # 2.5 tok/s against the first 10
+    assert alone.limit == 1
+    fixed, off = DirectSlots(2, 2), DirectSlots(0, 8)
+    for s in (fixed, off):
+        s.observe("verified", 40, 40.0)
+        s.observe("direct", 40, 1.0)
+    assert (fixed.limit, off.limit) == (2, 0)
+    with pytest.raises(ValueError, match=r"the most direct slots \(1\) must be >= the initial count \(2\)"):
+        DirectSlots(2, 1)
+
+
+def test_the_router_grows_its_direct_slots_from_its_requests():
+    """Through the router: a request decoded on the verifier by itself (nothing to compare it with but itself)
+    adds a slot, up to the most (its answer says the count); then two at once both go direct, and /metrics shows
+    the count the router holds."""
+    verifier, drafter = Fake("verifier"), Fake("drafter")
+
+    async def go():
+        async with Stack(
+            [("v", verifier)], [("d", drafter)], verifier_decode_slots=1, max_verifier_decode_slots=2
+        ) as st:
+            first = served_of(await st.post(BODY))
+            both = await asyncio.gather(st.post(BODY), st.post(BODY))
+            async with aiohttp.ClientSession() as s, s.get(st.url + "/metrics") as r:
+                metrics = await r.text()
+            return first, both, metrics, st.router.slots.limit
+
+    first, both, metrics, limit = run(go())
+    assert first["path"] == "direct" and first["direct_slots"] == 2
+    assert [served_of(x)["path"] for x in both] == ["direct", "direct"]
+    assert all(ids_of(x) == greedy(PROMPT, 40) for x in both)
+    assert drafter.streams == 0
+    gauge = [
+        x.value
+        for f in text_string_to_metric_families(metrics)
+        for x in f.samples
+        if x.name == "vericache_router_direct_slots"
+    ]
+    assert gauge == [float(limit)] and limit in (1, 2)

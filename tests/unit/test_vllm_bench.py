@@ -236,5 +236,14 @@ def test_the_router_topology_passes_the_verifier_decode_slots_to_the_router_only
                                              "--verifier-decode-slots", "0", "--drafter", "http://d0",
                                              "--drafter", "http://d1"]  # fmt: skip
     assert plain.router_argv(ctx, {"plain0": "http://p0"}) == ["router", "--port", "0", "--verifier", "http://p0"]
+    args = vllm_bench.parse_args(
+        ["--topology", "router", "--verifier-decode-slots", "4", "--max-verifier-decode-slots", "4"]
+    )
+    assert router.router_argv(vllm_bench.Context(args, "/m", 4096), urls)[5:9] == [
+        "--verifier-decode-slots", "4", "--max-verifier-decode-slots", "4"]  # fmt: skip
     with pytest.raises(SystemExit):
         vllm_bench.parse_args(["--topology", "router", "--verifier-decode-slots", "-1"])
+    with pytest.raises(SystemExit):
+        vllm_bench.parse_args(
+            ["--topology", "router", "--verifier-decode-slots", "3", "--max-verifier-decode-slots", "2"]
+        )

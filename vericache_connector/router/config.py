@@ -70,6 +70,8 @@ class RouterConfig:
     verifier_decode_slots: int = 1  # greedy requests a verifier decodes by itself at a time (path "direct"): its
     # greedy output is the answer and its full copy loads fast, so while it has spare capacity that beats
     # drafting far from the store; 1: a request arriving at an idle verifier goes there; 0: never
+    max_verifier_decode_slots: int = 8  # the direct slots grow up to this while direct requests finish faster
+    # than drafted ones, and shrink where they do not (router/slots.py); = verifier_decode_slots: a fixed count
     max_body_bytes: int = 4 << 20
 
     def __post_init__(self):
@@ -85,6 +87,12 @@ class RouterConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if type(self.verifier_decode_slots) is not int or self.verifier_decode_slots < 0:
             raise ValueError(f"verifier_decode_slots must be an integer >= 0, got {self.verifier_decode_slots!r}")
+        most = self.max_verifier_decode_slots
+        if type(most) is not int or most < self.verifier_decode_slots:
+            raise ValueError(
+                f"max_verifier_decode_slots must be an integer >= verifier_decode_slots "
+                f"({self.verifier_decode_slots}), got {most!r}"
+            )
         if self.k_min > self.k_max:
             raise ValueError(f"need k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}")
         for f in fields(self):
@@ -141,6 +149,14 @@ def add_router_args(p) -> None:
         help="greedy requests a verifier that is not saturated decodes by itself at a time, no drafts (path "
         "direct: exact, its full copy beside the store); the rest are drafted and verified; 0: never",
     )
+    p.add_argument(
+        "--max-verifier-decode-slots",
+        type=int,
+        default=None,
+        help="the direct slots grow up to this while direct requests finish faster than drafted ones and shrink "
+        f"where they do not (default {d['max_verifier_decode_slots'].default}, or --verifier-decode-slots if "
+        "higher; equal to it: a fixed count)",
+    )
 
 
 def config_from_args(args) -> RouterConfig:
@@ -162,4 +178,9 @@ def config_from_args(args) -> RouterConfig:
         max_verify_inflight=args.max_verify_inflight,
         verify_slow_s=args.verify_slow_s,
         verifier_decode_slots=args.verifier_decode_slots,
+        max_verifier_decode_slots=(
+            max(args.verifier_decode_slots, RouterConfig.max_verifier_decode_slots)
+            if args.max_verifier_decode_slots is None
+            else args.max_verifier_decode_slots
+        ),
     )

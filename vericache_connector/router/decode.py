@@ -92,9 +92,13 @@ class RoutedDecode:
         prompt: list[int],
         want: Wanted,
         alone: bool = False,
+        direct_slots: int | None = None,
     ):
+        """direct_slots: the requests a verifier decodes by itself at a time now (Router.slots; default
+        cfg.verifier_decode_slots)."""
         self.cfg, self.up, self.drafters, self.verifiers = cfg, up, drafters, verifiers
         self.prompt, self.want, self.alone = list(prompt), want, alone
+        self.direct_slots = cfg.verifier_decode_slots if direct_slots is None else direct_slots
         self.emitted: list[int] = []
         self.done = False
         self.stats = Stats()
@@ -169,7 +173,7 @@ class RoutedDecode:
     def _free_verifier(self) -> Server | None:
         """The verifier to decode this request by itself (path "direct"), or None: draft and verify."""
         c, now = self.cfg, time.monotonic()
-        free = [s for s in self.verifiers.servers if s.down_until <= now and s.direct < c.verifier_decode_slots]
+        free = [s for s in self.verifiers.servers if s.down_until <= now and s.direct < self.direct_slots]
         free = [s for s in free if not s.saturated(c.max_verify_inflight, c.verify_slow_s)]
         return min(free, key=lambda s: s.direct + s.inflight, default=None)
 

@@ -10,6 +10,7 @@ vericache_router_fallbacks_total{role}         requests finished on a verifier a
                                                 or a verifier
 vericache_router_verify_queue                  verify calls out now, every verifier together
 vericache_router_upstream_auth_failures_total  upstream answers 401 / 403 (the router token is not accepted)
+vericache_router_direct_slots                  requests a verifier decodes by itself at a time now (slots.py)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Metrics
 
 
 class RouterMetrics:
-    def __init__(self, verifiers):
+    def __init__(self, verifiers, slots=None):
         self.m = m = Metrics("vericache_router")
         self.requests = m.counter(
             "requests", "Requests answered, by route and how they were served.", ["route", "path"]
@@ -30,6 +31,10 @@ class RouterMetrics:
         self.auth_failures = m.counter("upstream_auth_failures", "Upstream answers 401 / 403 to the router token.")
         queue = m.gauge("verify_queue", "Verify calls out now, every verifier together.")
         queue.set_function(lambda: sum(s.inflight for s in verifiers.servers))
+        if slots is not None:
+            m.gauge("direct_slots", "Requests a verifier decodes by itself at a time now.").set_function(
+                lambda: slots.limit
+            )
 
     def answered(self, route: str, path: str, seconds: float, stats=None) -> None:
         self.requests.labels(route, path).inc()

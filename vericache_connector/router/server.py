@@ -35,6 +35,7 @@ from .config import RouterConfig, config_from_args, router_token
 from .decode import RoutedDecode, Wanted
 from .observe import RouterMetrics
 from .openai_api import CHAT, COMPLETIONS, NEUTRAL, Parsed, Reply, Text, error_body, parse, sse
+from .slots import DirectSlots
 from .upstream import ClientError, Pool, UpstreamError, Upstreams, affinity_key
 
 logger = logging.getLogger("vericache.router")
@@ -49,7 +50,8 @@ class Router:
         self.tokenizer, self.eos, self.defaults = None, frozenset(), {}
         self.name = cfg.served_model_name
         self._ready = asyncio.Lock()
-        self.metrics = RouterMetrics(self.verifiers)
+        self.slots = DirectSlots(cfg.verifier_decode_slots, cfg.max_verifier_decode_slots)  # path "direct"
+        self.metrics = RouterMetrics(self.verifiers, self.slots)
 
     async def start(self) -> None:
         self.up = Upstreams(self.token, on_auth_failure=self.metrics.auth_failures.inc)
@@ -194,7 +196,14 @@ def make_app(router: Router):
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         reply, t0 = Reply(rid, int(time.time()), router.name, req), time.perf_counter()
         decode = RoutedDecode(
-            router.cfg, router.up, router.drafters, router.verifiers, ids, want, alone=router.saturated()
+            router.cfg,
+            router.up,
+            router.drafters,
+            router.verifiers,
+            ids,
+            want,
+            alone=router.saturated(),
+            direct_slots=router.slots.limit,
         )
         out: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(decode.run(out))
@@ -234,7 +243,9 @@ def make_app(router: Router):
         at_eos = bool(tokens) and tokens[-1] in want.eos and not want.ignore_eos
         finish = "length" if len(tokens) >= want.max_tokens and not at_eos else "stop"
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
-        served = {**vars(st), "total_s": round(time.perf_counter() - t0, 4)}
+        total_s = time.perf_counter() - t0
+        router.slots.observe(st.path, len(tokens), total_s)  # sizes the direct slots (router/slots.py)
+        served = {**vars(st), "total_s": round(total_s, 4), "direct_slots": router.slots.limit}
         logger.info(
             "router: %s: %d prompt + %d new tokens, %s%s, %d verify calls (%.2fs), accepted %s, %d drafted in %d "
             "streams, first token %.2fs, %.2fs",
@@ -365,7 +376,7 @@ def main(args) -> int:
         print(
             f"vericache router: serving requests on http://{args.host}:{port} (verifiers {', '.join(cfg.verifiers)}; "
             f"drafters {', '.join(cfg.drafters) or 'none'}; verify api {cfg.verify_api}; "
-            f"verifier decode slots {cfg.verifier_decode_slots})",
+            f"verifier decode slots {cfg.verifier_decode_slots}, up to {cfg.max_verifier_decode_slots})",
             flush=True,
         )
         warm = asyncio.create_task(warm_up(router))
