@@ -69,7 +69,8 @@ class RouterConfig:
     # to a drafter alone (it computes the prompt and decodes by itself, exact) until the verifier catches up
     verifier_decode_slots: int = 1  # greedy requests a verifier decodes by itself at a time (path "direct"): its
     # greedy output is the answer and its full copy loads fast, so while it has spare capacity that beats
-    # drafting far from the store; 1: a request arriving at an idle verifier goes there; 0: never
+    # drafting far from the store; the count the router starts with (1: a request arriving at an idle verifier
+    # goes there); 0: never
     max_verifier_decode_slots: int = 8  # the direct slots grow up to this while direct requests finish faster
     # than drafted ones, and shrink where they do not (router/slots.py); = verifier_decode_slots: a fixed count
     max_body_bytes: int = 4 << 20

@@ -15,10 +15,11 @@ flight. S = prompt + emitted + spec, as there: `emitted` are verified, `spec` th
     and a new one starts from prompt + emitted (the drafter's prefix cache keeps the prompt's blocks).
 So the output is the verifier's greedy output, token for token.
 
-Direct: while a verifier that is up and not saturated decodes fewer than cfg.verifier_decode_slots requests by
-itself, a greedy request is decoded plainly there from the start, no drafts (its greedy output is the answer,
-and its full copy loads beside the store): where the drafters' cores are the bottleneck, the verifier's spare
-capacity serves it faster. Of those free, the verifier with the fewest direct requests and verify calls out.
+Direct: while a verifier that is up and not saturated decodes fewer than the direct slots' count (Router.slots,
+router/slots.py: sized from what the finished requests measured) by itself, a greedy request is decoded plainly
+there from the start, no drafts (its greedy output is the answer, and its full copy loads beside the store):
+where the drafters' cores are the bottleneck, the verifier's spare capacity serves it faster. Of those free,
+the verifier with the fewest direct requests and verify calls out.
 
 Faults: a drafter that cannot be reached, errors, stalls or sends garbage, a verifier that does, or a
 verdict that does not fit: logged with the cause, and the request is finished by plain decoding on a

@@ -56,6 +56,3 @@ class DirectSlots:
             self.limit = min(self.most, self.limit + 1)
         elif direct is not None and direct < ref * (1 - MARGIN):
             self.limit = max(1, self.limit - 1)
-
-    def describe(self) -> dict:
-        return {"limit": self.limit, "most": self.most, **{f"{k}_tok_s": v for k, v in self.rate.items()}}
