@@ -179,7 +179,9 @@ def test_every_field_is_read_as_vllm_reads_it(servers):
 
 def test_concurrent_verify_calls_share_the_verifiers_forwards(servers):
     """Verify calls that arrive together are batched by vLLM into the same steps (the route does not
-    serialize them): six calls cost fewer engine steps than six, each answer still the verifier's own."""
+    serialize them): six calls cost fewer engine steps than six, each answer still the verifier's own. (Up to
+    three tries: on the loaded 2-core machine six calls sometimes reach vLLM one step apart; a route that
+    serialized them would take six steps or more every time.)"""
     import concurrent.futures
 
     verifier, _, ids, ref = servers
@@ -191,11 +193,16 @@ def test_concurrent_verify_calls_share_the_verifiers_forwards(servers):
 
     body = {"prompt": ids, "drafts": ref[:8]}
     assert post_json(verifier.url + "/v1/vericache/verify", body)[0] == 200  # its prompt in vLLM's cache
-    before = steps()
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        got = list(pool.map(lambda _: post_json(verifier.url + "/v1/vericache/verify", body), range(6)))
-    assert all(status == 200 and v["best"] == ref[:9] for status, v in got), got
-    assert steps() - before < 6
+    took = []
+    for _ in range(3):
+        before = steps()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda _: post_json(verifier.url + "/v1/vericache/verify", body), range(6)))
+        assert all(status == 200 and v["best"] == ref[:9] for status, v in got), got
+        took.append(steps() - before)
+        if took[-1] < 6:
+            break
+    assert min(took) < 6, took
 
 
 @pytest.mark.parametrize("fault", ["drafter down", "drafter cut off", "verifier down", "verifier slow"])
