@@ -1,6 +1,6 @@
 """vericache_connector/draft_weights.py: int8 weight-only linears equal their reference math on random
 inputs (the CPU op's shapes and the fallback's), and VeriCache drafting with int8 / bfloat16 weights
-still reproduces plain full-KV greedy decoding of the float32 model on the real prompts."""
+still reproduces plain full-KV greedy decoding of the float32 model on the three shortest real prompts."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def test_identical_to_full_kv_greedy_with_cheaper_draft_weights(
 ):
     comp = get_compressor(preset)
     draft = dataclasses.replace(engine.draft, weights=weights)
-    outs, stats = engine.generate(prefills, [comp.compress(p.prefix) for p in prefills], greedy_cfg, draft=draft)
-    assert outs == reference
+    order = sorted(range(len(prefills)), key=lambda i: prefills[i].num_tokens)[:3]  # 1.9k-3.1k tokens
+    pre, refs = [prefills[i] for i in order], [reference[i] for i in order]
+    outs, stats = engine.generate(pre, [comp.compress(p.prefix) for p in pre], greedy_cfg, draft=draft)
+    assert outs == refs
     assert stats.mean_accepted() > 1.0, f"{weights} drafts on {preset} are almost never accepted"
