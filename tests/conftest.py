@@ -89,6 +89,18 @@ def reference(engine, prefills, greedy_cfg, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shortest(prefills, reference):
+    """shortest(n): the n shortest prompts' prefills and full-KV greedy references (cheaper runs of a check the
+    five prompts already pass elsewhere)."""
+
+    def pick(n: int):
+        order = sorted(range(len(prefills)), key=lambda i: prefills[i].num_tokens)[:n]
+        return [prefills[i] for i in order], [reference[i] for i in order]
+
+    return pick
+
+
+@pytest.fixture(scope="session")
 def model_dir() -> str:
     """The bundled model's converted checkpoint directory (converted once per machine)."""
     from vericache_connector.model import resolve_model_dir

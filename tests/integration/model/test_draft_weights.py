@@ -51,13 +51,10 @@ def test_draft_model_copies_and_bad_weights(engine):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights,preset", [("int8", "kivi4"), ("int8", "snapkv-4x"), ("bfloat16", "kivi2")])
-def test_identical_to_full_kv_greedy_with_cheaper_draft_weights(
-    engine, prefills, reference, greedy_cfg, weights, preset
-):
+def test_identical_to_full_kv_greedy_with_cheaper_draft_weights(engine, shortest, greedy_cfg, weights, preset):
     comp = get_compressor(preset)
     draft = dataclasses.replace(engine.draft, weights=weights)
-    order = sorted(range(len(prefills)), key=lambda i: prefills[i].num_tokens)[:3]  # 1.9k-3.1k tokens
-    pre, refs = [prefills[i] for i in order], [reference[i] for i in order]
+    pre, refs = shortest(3)  # 1.9k-3.1k tokens
     outs, stats = engine.generate(pre, [comp.compress(p.prefix) for p in pre], greedy_cfg, draft=draft)
     assert outs == refs
     assert stats.mean_accepted() > 1.0, f"{weights} drafts on {preset} are almost never accepted"

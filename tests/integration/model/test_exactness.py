@@ -20,12 +20,12 @@ VARIANTS = {"snapkv-8x", "streamingllm-4x", "turboquant-k3v2", "kivi2"}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_identical_to_full_kv_greedy(engine, prefills, reference, greedy_cfg, preset):
+def test_identical_to_full_kv_greedy(engine, prefills, reference, shortest, greedy_cfg, preset):
     comp = get_compressor(preset)
     if preset in VARIANTS:
         greedy_cfg = dataclasses.replace(greedy_cfg, max_new_tokens=32)
-        short = min(range(len(prefills)), key=lambda i: prefills[i].num_tokens)
-        prefills, reference = [prefills[short]], [reference[short][:32]]
+        prefills, [ref] = shortest(1)
+        reference = [ref[:32]]
     compressed = [comp.compress(p.prefix) for p in prefills]
     outs, stats = engine.generate(prefills, compressed, greedy_cfg)
     for i, (out, ref) in enumerate(zip(outs, reference)):
@@ -40,11 +40,10 @@ def test_identical_to_full_kv_greedy(engine, prefills, reference, greedy_cfg, pr
 @pytest.mark.parametrize(
     "preset,k,adaptive", [("snapkv-4x", 32, False), ("kivi4", 4, True), ("streamingllm-8x", 16, True)]
 )
-def test_identical_other_horizons(engine, prefills, reference, greedy_cfg, preset, k, adaptive):
+def test_identical_other_horizons(engine, shortest, greedy_cfg, preset, k, adaptive):
     cfg = dataclasses.replace(greedy_cfg, draft_k=k, adaptive=adaptive, k_min=2, k_max=32)
     # the two shortest prompts (1.9k, 2.6k tokens): these presets run all five at draft_k 8 above
-    order = sorted(range(len(prefills)), key=lambda i: prefills[i].num_tokens)[:2]
-    prefills, reference = [prefills[i] for i in order], [reference[i] for i in order]
+    prefills, reference = shortest(2)
     comp = get_compressor(preset)
     outs, stats = engine.generate(prefills, [comp.compress(p.prefix) for p in prefills], cfg)
     assert outs == reference
