@@ -101,12 +101,46 @@ def test_unmeasured_rates_split_concurrent_requests_between_link_and_cpu():
 
 def test_the_link_rate_comes_from_spells_of_loading():
     p = LoadPlanner(CHUNK, Clock())
-    p.link_report(100.0, 0.2)  # too short a spell to say anything yet
+    p.load_started("r0", DOC)
+    p.link_report(100.0, 0.2)  # too short a spell to say anything yet, the load still on
     assert p.rate is None
     p.link_report(400.0, 0.8)
     assert p.rate == pytest.approx(500.0)
     p.link_report(1000.0, 1.0)
     assert 500.0 < p.rate < 1000.0  # an EMA over spells
+
+
+def test_a_spell_that_ends_early_is_a_sample():
+    """A fast link (a verifier beside the store) loads a document in under SPELL_S: the whole load is one sample."""
+    p = LoadPlanner(CHUNK, Clock())
+    p.load_started("r0", DOC)
+    p.link_report(DOC / 2, 0.1)
+    assert p.rate is None
+    p.load_finished("r0")
+    p.link_report(DOC / 2, 0.1)
+    assert p.rate == pytest.approx(DOC / 0.2)
+    p.link_report(0.0, 0.0)  # idle steps change nothing
+    assert p.rate == pytest.approx(DOC / 0.2)
+
+
+def test_requests_wait_for_the_first_loads_measure_of_the_link():
+    """Four documents at once on a fresh server: the first loads, the second computes (the queues, rates
+    unmeasured); the rest wait for the link's measure instead of guessing, and then load a fast link's way."""
+    p = planner(None, 350.0)
+    assert not p.waits_for_probe("r0")  # nothing on the link yet
+    assert p.plan("r0", 0, DOC, DOC + 20).decision == "load"
+    p.load_started("r0", DOC)
+    p.prefill_left("r0", 20)  # its suffix, computed once its load is in
+    assert not p.waits_for_probe("r1")  # the CPU is idle: no reason to wait
+    assert p.plan("r1", 0, DOC, DOC + 20).decision == "recompute"
+    p.prefill_left("r1", DOC + 20)
+    assert p.waits_for_probe("r2") and p.waits_for_probe("r3")
+    assert not p.waits_for_probe("r0")  # its own load does not count
+    p.load_finished("r0")
+    p.link_report(DOC, 0.3)  # ~6,000 tok/s: a link beside the store
+    assert not p.waits_for_probe("r2")
+    plan = p.plan("r2", 0, DOC, DOC + 20)
+    assert plan.decision == "load" and plan.link_ahead == 0  # r1 (computing) keeps no backlog on the link
 
 
 def test_the_meter_counts_concurrent_loads_once():

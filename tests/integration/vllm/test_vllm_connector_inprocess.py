@@ -196,6 +196,30 @@ def test_requests_decided_in_one_step_share_the_link_and_the_cpu(model_dir, stor
     assert so.num_scheduled_tokens[b.request_id] == len(other)
 
 
+def test_a_third_request_waits_for_the_first_loads_measure_of_the_link(model_dir, store_url):
+    """Three stored documents in one step on a fresh server: the first loads, the second is computed (the
+    queues, nothing measured), the third waits (None: vLLM asks again) for the link's first measure instead of
+    guessing, and then loads over this fast link (a verifier beside the store recomputed such requests)."""
+    from vericache_connector.integration.vllm.metadata import VeriCacheWorkerMeta
+
+    docs = [PROMPT] + [[k * 10_000 + t for t in range(len(PROMPT))] for k in (2, 3)]
+    for d in docs:
+        asyncio.run(_seed(store_url, d[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    a, b, c = (create_request(d) for d in docs)
+    for r in (a, b, c):
+        sched.add_request(r)
+    so = sched.schedule()
+    assert [x.req_id for x in so.kv_connector_metadata.loads] == [a.request_id]
+    assert so.num_scheduled_tokens[b.request_id] == len(PROMPT) and c.request_id not in so.num_scheduled_tokens
+    out = runner_output([b], finished_recving={a.request_id})
+    out.kv_connector_output.kv_connector_worker_meta = VeriCacheWorkerMeta(link_tokens=STORED, busy_s=0.05)
+    sched.update_from_output(so, out)  # the load is in after 0.05 s: ~10,000 tok/s
+    assert sched.connector.scheduler.planner.rate == pytest.approx(STORED / 0.05)
+    so = sched.schedule()
+    assert [x.req_id for x in so.kv_connector_metadata.loads] == [c.request_id]
+
+
 def test_a_failing_decision_loads_and_never_stops_the_scheduler(model_dir, store_url, monkeypatch):
     asyncio.run(_seed(store_url, PROMPT[:STORED]))
     sched = create_scheduler(vllm_config(model_dir, store_url))

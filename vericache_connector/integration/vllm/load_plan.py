@@ -40,7 +40,8 @@ EMA = 0.3  # weight of a new busy spell's rate
 STEPS_KEPT = 64  # (tokens, seconds) of recent vLLM steps for the step-time fit
 TIE = 0.02  # within this fraction of the best time, the larger load wins
 TTFT_SLACK = 0.05  # the pre-draft credit never buys a load whose KV is ready later than this past computing it
-SPELL_S = 0.5  # seconds of loading per rate sample
+SPELL_S = 0.5  # seconds of loading per rate sample (or a shorter spell that ended: every load in)
+PROBE_WAIT_S = 5.0  # a request waits at most this long for the first load to measure the link
 
 
 @dataclass
@@ -115,11 +116,12 @@ class LoadPlanner:
     # ---- what the server reports ----
     def link_report(self, tokens: float, busy_s: float) -> None:
         """The workers moved `tokens` (full-copy tokens' worth of bytes) in `busy_s` seconds of loading (one
-        step's worth); a rate sample once SPELL_S of loading has added up."""
+        step's worth); a rate sample once SPELL_S of loading has added up, or once no load is in flight."""
         with self._lock:
             self._moved += tokens
             self._busy += busy_s
-            if self._busy >= SPELL_S and self._moved > 0:
+            spell_over = not any(self._loads.values())
+            if (self._busy >= SPELL_S or spell_over) and self._busy > 0 and self._moved > 0:
                 r = self._moved / self._busy
                 self.rate = r if self.rate is None else (1 - EMA) * self.rate + EMA * r
                 self._moved, self._busy = 0.0, 0.0
@@ -135,14 +137,14 @@ class LoadPlanner:
         with self._lock:
             self._drain()
             self._loads.pop(rid, None)
-            if not self._loads:
+            if not any(self._loads.values()):  # (requests decided to compute stay in _loads with 0)
                 self._backlog = 0.0
 
     def forget(self, rid: str) -> None:
         """`rid` finished (or was aborted): nothing of it stays queued."""
         with self._lock:
             self._prefill.pop(rid, None)
-            if self._loads.pop(rid, None) is not None and not self._loads:
+            if self._loads.pop(rid, None) is not None and not any(self._loads.values()):
                 self._backlog = 0.0
 
     def prefill_left(self, rid: str, tokens: int) -> None:
@@ -152,6 +154,15 @@ class LoadPlanner:
                 self._prefill[rid] = tokens
             else:
                 self._prefill.pop(rid, None)
+
+    def waits_for_probe(self, rid: str) -> bool:
+        """Whether `rid`'s decision waits for the link's first measure: unmeasured, another request's load is on
+        it and the CPU has another request's prefill ahead (so waiting leaves neither idle)."""
+        with self._lock:
+            if self.rate is not None:
+                return False
+            loading = any(t > 0 for r, t in self._loads.items() if r != rid)  # (their own suffixes come later)
+            return loading and any(t > 0 and not self._loads.get(r) for r, t in self._prefill.items() if r != rid)
 
     def _drain(self) -> None:
         now = self.clock()

@@ -34,7 +34,7 @@ from storage_backends import stored_prefix_len
 from ...store.client import StoreClient
 from .config import ConnectorSpec
 from .handoff import row_key
-from .load_plan import LoadPlanner
+from .load_plan import PROBE_WAIT_S, LoadPlanner
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
 from .stats import StatsRecorder
 
@@ -82,6 +82,7 @@ class VeriCacheConnectorScheduler:
         self._steps: collections.deque[tuple[float, int]] = collections.deque()  # built, not yet answered
         self._drafts_only: list[LoadSpec] = []  # compressed copies to fetch for recomputed prefixes
         self._planned: set[str] = set()  # requests whose decision was logged
+        self._probing: dict[str, float] = {}  # requests waiting for the link's first measure: since when
         self._lookups: dict[str, int] = {}  # req_id -> stored tokens to load
         self._loads: dict[str, LoadSpec] = {}
         self._pending: dict[str, _Pending] = {}
@@ -155,6 +156,11 @@ class VeriCacheConnectorScheduler:
             if time.monotonic() - owner.since < TWIN_WAIT_S:
                 return None, False  # vLLM's cache gets it from the owner's load or prefill: ask again
         self._prompt_len[rid] = len(prompt)
+        if self.spec.load_policy != "always" and self.planner.waits_for_probe(rid):
+            since = self._probing.setdefault(rid, time.monotonic())
+            if time.monotonic() - since < PROBE_WAIT_S:
+                return None, False  # the first load measures the link within SPELL_S: decide then
+        self._probing.pop(rid, None)
         if self.spec.load_policy == "always":
             load = found - computed
         else:
@@ -291,5 +297,6 @@ class VeriCacheConnectorScheduler:
         self.planner.forget(rid)
         self._prompt_len.pop(rid, None)
         self._planned.discard(rid)
+        self._probing.pop(rid, None)
         self.stats.forget(rid)
         return False, None
