@@ -166,9 +166,9 @@ def test_the_slots_are_a_checked_option():
     p = argparse.ArgumentParser()
     add_router_args(p)
     cfg = config_from_args(p.parse_args(["--verifier", "http://v:8000"]))
-    assert cfg.verifier_decode_slots == 1 and cfg.max_verifier_decode_slots == 8
-    args = p.parse_args(["--verifier", "http://v:8000", "--verifier-decode-slots", "12"])
-    assert config_from_args(args).max_verifier_decode_slots == 12  # the default most, or the count if higher
+    assert cfg.verifier_decode_slots == 8 and cfg.max_verifier_decode_slots == 16
+    args = p.parse_args(["--verifier", "http://v:8000", "--verifier-decode-slots", "20"])
+    assert config_from_args(args).max_verifier_decode_slots == 20  # the default most, or the count if higher
     args = p.parse_args(
         ["--verifier", "http://v:8000", "--verifier-decode-slots", "2", "--max-verifier-decode-slots", "2"]
     )
