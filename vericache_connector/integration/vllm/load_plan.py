@@ -41,7 +41,9 @@ STEPS_KEPT = 64  # (tokens, seconds) of recent vLLM steps for the step-time fit
 TIE = 0.02  # within this fraction of the best time, the larger load wins
 TTFT_SLACK = 0.05  # the pre-draft credit never buys a load whose KV is ready later than this past computing it
 SPELL_S = 0.5  # seconds of loading per rate sample (or a shorter spell that ended: every load in)
-PROBE_WAIT_S = 5.0  # a request waits at most this long for the first load to measure the link
+PROBE_WAIT_S = 30.0  # a request waits at most this long for the first load to measure the link: the
+# measure reaches the scheduler with the step that ran alongside the load (a 1,600-token prefill here: ~5 s;
+# a stalled store fails the load within its timeout_s first)
 
 
 @dataclass
