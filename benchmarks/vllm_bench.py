@@ -111,6 +111,8 @@ class Configuration:
     reads_store: bool = True  # a copy of the written store, behind the emulated link: one run per link
     spec: str = ""  # "", "ngram" (vLLM's n-gram proposer) or "proposer" (CompressedKVProposer)
     alternative: bool = True  # one of the alternatives the proposer is compared with (x best alternative)
+    default: bool = True  # in the grid without --configs (False: a diagnostic, asked for by name)
+    extra_args: tuple[str, ...] = ()  # more vLLM server arguments
 
     def servers(self, ctx: Context) -> dict[str, object]:
         """name -> ServerConfig of every vLLM server this configuration starts."""
@@ -129,6 +131,7 @@ class Configuration:
             max_model_len=ctx.max_model_len,
             bandwidth_bytes_per_s=None if ctx.gbits is None else ctx.gbits * 1e9 / 8 * link_scale(a),
             timeout_s=120.0,  # a slow emulated link: a layer may take seconds
+            extra_args=list(self.extra_args),
         )
         return {"vllm": cfg}
 
@@ -144,6 +147,14 @@ CONFIGURATIONS = (
     Configuration("connector", "connector"),
     Configuration("connector + ngram", "connector-ngram", spec="ngram"),
     Configuration("connector + proposer", "connector-proposer", spec="proposer", alternative=False),
+    # vLLM turns its async scheduling off for any custom_class proposer (ours): what that alone costs
+    Configuration(
+        "connector, no async scheduling",
+        "connector-sync",
+        alternative=False,
+        default=False,
+        extra_args=("--no-async-scheduling",),
+    ),
 )
 
 
@@ -237,7 +248,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="build the dataset and print the commands; run nothing")
     a = p.parse_args(argv)
     topology = TOPOLOGIES[a.topology]
-    a.configs = a.configs or [c.label for c in topology]
+    a.configs = a.configs or [c.label for c in topology if getattr(c, "default", True)]
     unknown = [c for c in a.configs if c not in BY_NAME or BY_NAME[c] not in topology]
     if unknown:
         p.error(f"unknown --configs {unknown} for --topology {a.topology}; choose from {[c.label for c in topology]}")
