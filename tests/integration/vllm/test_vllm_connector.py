@@ -156,9 +156,7 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
         assert m("vericache_saves_total") == len(ids), got
         assert m("vericache_bytes_written_total", copy="full") >= stored * kv_per_token, got
         assert m("vericache_predrafted_tokens_total") > 0, got
-        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
-            batch = list(pool.map(lambda p: srv.complete(p, NEW).token_ids, ids))
-        assert batch == greedy[: len(ids)], "warm, batched"
+        assert at_once(srv, ids) == greedy[: len(ids)], "warm, batched"
         # the warm requests, one at a time, loaded every whole stored prefix as split16's two halves (the planner
         # may compute a prefix, or load a leading part of it, which streams that part's full copy); loads side by
         # side may stream the full copy where the pacer sees no room for draft steps: the output is the same

@@ -122,8 +122,7 @@ class LoadPlanner:
         with self._lock:
             self._moved += tokens
             self._busy += busy_s
-            spell_over = not any(self._loads.values())
-            if (self._busy >= SPELL_S or spell_over) and self._busy > 0 and self._moved > 0:
+            if (self._busy >= SPELL_S or not self._loads) and self._busy > 0 and self._moved > 0:
                 r = self._moved / self._busy
                 self.rate = r if self.rate is None else (1 - EMA) * self.rate + EMA * r
                 self._moved, self._busy = 0.0, 0.0
@@ -132,21 +131,22 @@ class LoadPlanner:
         """`rid` loads `tokens` (counted from the decision on: requests decided in the same step see it)."""
         with self._lock:
             self._drain()
-            self._backlog += tokens - self._loads.get(rid, 0)  # decided again (not scheduled last time)
-            self._loads[rid] = tokens
+            self._backlog += tokens - self._loads.pop(rid, 0)  # decided again (not scheduled last time)
+            if tokens > 0:  # (0: computed after all: nothing of it on the link)
+                self._loads[rid] = tokens
 
     def load_finished(self, rid: str) -> None:
         with self._lock:
             self._drain()
             self._loads.pop(rid, None)
-            if not any(self._loads.values()):  # (requests decided to compute stay in _loads with 0)
+            if not self._loads:
                 self._backlog = 0.0
 
     def forget(self, rid: str) -> None:
         """`rid` finished (or was aborted): nothing of it stays queued."""
         with self._lock:
             self._prefill.pop(rid, None)
-            if self._loads.pop(rid, None) is not None and not any(self._loads.values()):
+            if self._loads.pop(rid, None) is not None and not self._loads:
                 self._backlog = 0.0
 
     def prefill_left(self, rid: str, tokens: int) -> None:
@@ -163,8 +163,8 @@ class LoadPlanner:
         with self._lock:
             if self.rate is not None:
                 return False
-            loading = any(t > 0 for r, t in self._loads.items() if r != rid)  # (their own suffixes come later)
-            return loading and any(t > 0 and not self._loads.get(r) for r, t in self._prefill.items() if r != rid)
+            loading = any(r != rid for r in self._loads)  # (their own suffixes come after their loads)
+            return loading and any(t > 0 and r not in self._loads for r, t in self._prefill.items() if r != rid)
 
     def _drain(self) -> None:
         now = self.clock()

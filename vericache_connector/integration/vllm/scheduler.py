@@ -157,8 +157,8 @@ class VeriCacheConnectorScheduler:
                 return None, False  # vLLM's cache gets it from the owner's load or prefill: ask again
         self._prompt_len[rid] = len(prompt)
         if self.spec.load_policy != "always" and self.planner.waits_for_probe(rid):
-            since = self._probing.setdefault(rid, time.monotonic())
-            if time.monotonic() - since < PROBE_WAIT_S:
+            now = time.monotonic()
+            if now - self._probing.setdefault(rid, now) < PROBE_WAIT_S:
                 return None, False  # the first load measures the link within SPELL_S: decide then
         self._probing.pop(rid, None)
         if self.spec.load_policy == "always":
