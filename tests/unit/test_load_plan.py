@@ -100,27 +100,70 @@ def test_unmeasured_rates_split_concurrent_requests_between_link_and_cpu():
 
 
 def test_the_link_rate_comes_from_spells_of_loading():
-    p = LoadPlanner(CHUNK, Clock())
-    p.load_started("r0", DOC)
-    p.link_report(100.0, 0.2)  # too short a spell to say anything yet, the load still on
+    """The worker closes a sample once SPELL_S of loading has added up (at the bytes that complete it); the
+    scheduler side takes each closed sample into its EMA."""
+    clock, p = Clock(), LoadPlanner(CHUNK, Clock())
+    m = LinkMeter(clock)
+    m.begin()
+    clock.t = 0.2
+    m.moved(100)
+    assert m.take() == (0, 0.0)  # too short a spell to say anything yet, the load still on
+    p.link_report(*m.take())
     assert p.rate is None
-    p.link_report(400.0, 0.8)
+    clock.t = 1.0
+    m.moved(400)
+    p.link_report(*m.take())
     assert p.rate == pytest.approx(500.0)
-    p.link_report(1000.0, 1.0)
-    assert 500.0 < p.rate < 1000.0  # an EMA over spells
+    clock.t = 2.0
+    m.moved(1000)
+    p.link_report(*m.take())
+    assert 500.0 < p.rate < 1000.0  # an EMA over samples
 
 
 def test_a_spell_that_ends_early_is_a_sample():
     """A fast link (a verifier beside the store) loads a document in under SPELL_S: the whole load is one sample."""
-    p = LoadPlanner(CHUNK, Clock())
-    p.load_started("r0", DOC)
-    p.link_report(DOC / 2, 0.1)
+    clock, p = Clock(), LoadPlanner(CHUNK, Clock())
+    m = LinkMeter(clock)
+    m.begin()
+    clock.t = 0.1
+    m.moved(DOC // 2)
+    p.link_report(*m.take())
     assert p.rate is None
-    p.load_finished("r0")
-    p.link_report(DOC / 2, 0.1)
+    clock.t = 0.2
+    m.moved(DOC // 2)
+    m.end()
+    p.link_report(*m.take())
     assert p.rate == pytest.approx(DOC / 0.2)
-    p.link_report(0.0, 0.0)  # idle steps change nothing
+    p.link_report(*m.take())  # idle steps change nothing
     assert p.rate == pytest.approx(DOC / 0.2)
+
+
+def test_a_sample_is_whole_whatever_the_reports_in_between():
+    """A 6.6 s load of 30 layers, one every 0.22 s, the worker reporting at every step or at none: each
+    sample the scheduler side gets is the link's rate (the one it pieced together from step reports once read
+    a slow link as 25x faster)."""
+    per_layer, layer_s = DOC * 100, 0.22  # bytes (a token = 100 bytes here), seconds
+    for report_every in (0.01, 0.3, None):  # the steps' cadence; None: no report until the load ends
+        clock, p = Clock(), LoadPlanner(CHUNK, Clock())
+        m, seen = LinkMeter(clock), []
+        m.begin()
+        t, next_report = 0.0, report_every
+        for _ in range(30):
+            t += layer_s
+            while next_report is not None and next_report < t:
+                clock.t = next_report
+                seen.append(m.take())
+                next_report += report_every
+            clock.t = t
+            m.moved(per_layer)
+        clock.t = t + 0.005
+        m.end()
+        seen.append(m.take())
+        for nbytes, s in (x for x in seen if x[0]):
+            assert nbytes / s == pytest.approx(per_layer / layer_s, rel=0.02)
+        assert sum(x[0] for x in seen) == 30 * per_layer
+        p.link_report(sum(x[0] for x in seen) / 100, sum(x[1] for x in seen))
+        assert p.rate == pytest.approx(DOC / layer_s, rel=0.02)
 
 
 def test_requests_wait_for_the_first_loads_measure_of_the_link():
@@ -149,15 +192,22 @@ def test_the_meter_counts_concurrent_loads_once():
     m.begin()
     clock.t = 1.0
     m.begin()  # a second load joins: the link was busy from 0 either way
-    m.moved(1000)
+    m.moved(1000)  # a second of loading: a sample
+    clock.t = 1.2
+    m.moved(200)  # 0.2 s into the next one
     clock.t = 2.0
     m.end()
     clock.t = 3.0
-    assert m.take() == (1000, 3.0)  # still in flight: counted up to now
+    assert m.take() == (1000, 1.0)  # the open sample (1.0 .. now) is not reported
     clock.t = 4.0
     m.end()
     clock.t = 10.0  # idle time is not busy time
-    assert m.take() == (0, 1.0)
+    assert m.take() == (200, 3.0)
+    assert m.take() == (0, 0.0)
+    m.begin()
+    clock.t = 12.0
+    m.end()  # a spell that moved nothing (a failed load) is no sample
+    assert m.take() == (0, 0.0)
 
 
 def test_with_the_proposer_a_load_is_credited_what_its_pre_drafts_save():

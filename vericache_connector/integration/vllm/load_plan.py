@@ -6,7 +6,8 @@ queued on each: a slow link loses to the CPU, a busy CPU loses to the link. The 
 both as the server runs and decides when vLLM asks it for a request's external tokens:
 
     R      the load pipeline's rate, tokens/s: what the workers moved (bytes, in full-copy tokens) over the
-           seconds at least one load was in flight (LinkMeter, reported each step), an EMA over busy spells
+           seconds at least one load was in flight (LinkMeter: samples of SPELL_S of loading, or a shorter
+           spell that ended, closed on the worker and reported with the next step), an EMA over samples
     a, b   a vLLM step that runs n tokens takes a + b n seconds: least squares over recent steps (a step's
            forward as the worker times it, from bind_connector_metadata to build_connector_worker_meta: a
            proposer's drafting after it, which would count as prefill cost, is left out)
@@ -40,7 +41,7 @@ EMA = 0.3  # weight of a new busy spell's rate
 STEPS_KEPT = 64  # (tokens, seconds) of recent vLLM steps for the step-time fit
 TIE = 0.02  # within this fraction of the best time, the larger load wins
 TTFT_SLACK = 0.05  # the pre-draft credit never buys a load whose KV is ready later than this past computing it
-SPELL_S = 0.5  # seconds of loading per rate sample (or a shorter spell that ended: every load in)
+SPELL_S = 0.5  # seconds of loading per rate sample (or a shorter spell that ended: every load in; LinkMeter)
 PROBE_WAIT_S = 30.0  # a request waits at most this long for the first load to measure the link: the
 # measure reaches the scheduler with the step that ran alongside the load (a 1,600-token prefill here: ~5 s;
 # a stalled store fails the load within its timeout_s first)
@@ -112,20 +113,16 @@ class LoadPlanner:
         self._loads: dict[str, int] = {}  # in flight: request -> tokens
         self._backlog, self._at = 0.0, clock()  # L as of `_at`
         self._prefill: dict[str, int] = {}  # request -> prefill tokens it still has to compute
-        self._moved, self._busy = 0.0, 0.0  # link reports not yet turned into a rate sample
         self.predraft_value: float | None = None  # v: decode s saved per s of pre-drafting (the proposer)
 
     # ---- what the server reports ----
     def link_report(self, tokens: float, busy_s: float) -> None:
-        """The workers moved `tokens` (full-copy tokens' worth of bytes) in `busy_s` seconds of loading (one
-        step's worth); a rate sample once SPELL_S of loading has added up, or once no load is in flight."""
-        with self._lock:
-            self._moved += tokens
-            self._busy += busy_s
-            if (self._busy >= SPELL_S or not self._loads) and self._busy > 0 and self._moved > 0:
-                r = self._moved / self._busy
+        """The workers' closed rate samples since their last report (LinkMeter): `tokens` (full-copy tokens'
+        worth of bytes) moved in `busy_s` seconds of loading. Nothing while a sample is still open."""
+        if tokens > 0 and busy_s > 0:
+            r = tokens / busy_s
+            with self._lock:
                 self.rate = r if self.rate is None else (1 - EMA) * self.rate + EMA * r
-                self._moved, self._busy = 0.0, 0.0
 
     def load_started(self, rid: str, tokens: int) -> None:
         """`rid` loads `tokens` (counted from the decision on: requests decided in the same step see it)."""
@@ -222,13 +219,19 @@ class LoadPlanner:
 
 
 class LinkMeter:
-    """The worker's side: bytes its loads received and the seconds at least one load was in flight."""
+    """The worker's side: rate samples of its loads, each whole in itself: the bytes received over the seconds
+    at least one load was in flight, closed once SPELL_S of loading has added up (at the bytes that complete
+    it) or when the last load in flight ends (a short spell is a sample too). The scheduler side gets only
+    closed samples, so whatever it misses or gets late loses whole samples, never part of one (a sample it
+    pieced together from each step's bytes and seconds once read a 0.1 Gbit/s link as 6,689 tokens/s, 25x
+    its rate: results/vllm_bench/20261206-104413, r0-c1-0.1gbit-connector)."""
 
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self._lock = threading.Lock()
-        self._active, self._since = 0, 0.0
-        self._bytes, self._busy = 0, 0.0
+        self._active, self._since = 0, 0.0  # loads in flight; when the open sample's current busy stretch began
+        self._bytes, self._busy = 0, 0.0  # the open sample: bytes, busy seconds before `_since`
+        self._closed = (0, 0.0)  # closed samples not yet taken: bytes, seconds
 
     def begin(self) -> None:
         with self._lock:
@@ -241,18 +244,24 @@ class LinkMeter:
             self._active -= 1
             if self._active == 0:
                 self._busy += self.clock() - self._since
+                self._close()
 
     def moved(self, nbytes: int) -> None:
         with self._lock:
             self._bytes += nbytes
+            now = self.clock()
+            if self._active and self._busy + (now - self._since) >= SPELL_S:
+                self._busy += now - self._since
+                self._since = now
+                self._close()
+
+    def _close(self) -> None:
+        if self._bytes > 0 and self._busy > 0:  # (a spell that moved nothing, e.g. a failed load: no sample)
+            self._closed = (self._closed[0] + self._bytes, self._closed[1] + self._busy)
+        self._bytes, self._busy = 0, 0.0
 
     def take(self) -> tuple[int, float]:
-        """(bytes, busy seconds) since the last take; a spell still in progress is counted up to now."""
+        """(bytes, seconds) of the samples closed since the last take; (0, 0.0) if none."""
         with self._lock:
-            now = self.clock()
-            busy = self._busy + (now - self._since if self._active else 0.0)
-            if self._active:
-                self._since = now
-            out = (self._bytes, busy)
-            self._bytes, self._busy = 0, 0.0
+            out, self._closed = self._closed, (0, 0.0)
             return out
