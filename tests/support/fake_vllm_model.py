@@ -5,6 +5,8 @@ testing the proposer's draft forward over vLLM's modules without a vLLM engine. 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,16 +58,22 @@ class Attention(nn.Module):
         self.rotary_emb = Rotary(inv_freq, cfg.head_dim)
 
 
+class SiluAndMul(nn.Module):
+    def forward(self, gu):
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
 class MLP(nn.Module):
     def __init__(self, mlp):
         super().__init__()
         self.gate_up_proj = Linear(mlp.gate_proj.weight, mlp.up_proj.weight)
         self.down_proj = Linear(mlp.down_proj.weight)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x):
         gu, _ = self.gate_up_proj(x)
-        g, u = gu.chunk(2, dim=-1)
-        out, _ = self.down_proj(F.silu(g) * u)
+        out, _ = self.down_proj(self.act_fn(gu))
         return out
 
 
@@ -94,6 +102,7 @@ class FakeVLLMLlama(nn.Module):
         super().__init__()
         self.model = Inner(own)
         self.lm_head = own.lm_head
+        self.logits_processor = SimpleNamespace(scale=1.0, soft_cap=None, org_vocab_size=own.cfg.vocab_size)
         self.forward_calls = 0
 
     def compute_logits(self, hidden):

