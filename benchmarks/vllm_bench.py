@@ -70,8 +70,9 @@ def openmp_label(choice: str | None) -> str:
     )
 
 
-def openmp_env(choice: str) -> dict[str, str]:
-    """The environment every server of the run gets for --openmp (all configurations alike)."""
+def openmp_env(choice: str, preload: str | None = None) -> dict[str, str]:
+    """The environment a server gets for this OpenMP runtime (--openmp: every server of the run alike), given
+    the LD_PRELOAD it would otherwise have (default: this process's)."""
     if choice == "gnu":
         return {}
     lib = intel_openmp()
@@ -79,7 +80,7 @@ def openmp_env(choice: str) -> dict[str, str]:
         raise SystemExit(
             f"--openmp intel: {Path(sys.prefix) / 'lib' / 'libiomp5.so'} not found (pip install intel-openmp)"
         )
-    pre = os.environ.get("LD_PRELOAD", "")
+    pre = os.environ.get("LD_PRELOAD", "") if preload is None else preload
     return {"LD_PRELOAD": pre if lib in pre.split(":") else ":".join(x for x in (lib, pre) if x)}
 
 
@@ -143,14 +144,19 @@ class Configuration:
     alternative: bool = True  # one of the alternatives the proposer is compared with (x best alternative)
     default: bool = True  # in the grid without --configs (False: a diagnostic, asked for by name)
     extra_args: tuple[str, ...] = ()  # more vLLM server arguments
+    env: tuple[tuple[str, str], ...] = ()  # more server environment
+    openmp: str | None = None  # its servers' OpenMP runtime (None: the run's --openmp)
 
     def servers(self, ctx: Context) -> dict[str, object]:
         """name -> ServerConfig of every vLLM server this configuration starts."""
         from vllm_server import ServerConfig
 
         a = ctx.args
+        env = dict(self.env)
+        if self.openmp is not None and self.openmp != a.openmp:
+            env["LD_PRELOAD"] = openmp_env(self.openmp, a.ld_preload).get("LD_PRELOAD", a.ld_preload)
         if not self.reads_store:
-            return {"vllm": ServerConfig(ctx.model, prefix_caching=True, max_model_len=ctx.max_model_len)}
+            return {"vllm": ServerConfig(ctx.model, prefix_caching=True, max_model_len=ctx.max_model_len, env=env)}
         cfg = ServerConfig(
             ctx.model,
             store=ctx.store_url,
@@ -162,6 +168,7 @@ class Configuration:
             bandwidth_bytes_per_s=None if ctx.gbits is None else ctx.gbits * 1e9 / 8 * link_scale(a),
             timeout_s=120.0,  # a slow emulated link: a layer may take seconds
             extra_args=list(self.extra_args),
+            env=env,
         )
         return {"vllm": cfg}
 
@@ -184,6 +191,19 @@ CONFIGURATIONS = (
         alternative=False,
         default=False,
         extra_args=("--no-async-scheduling",),
+    ),
+    # the alternatives with torch's own OpenMP (libgomp): each has its faster runtime (--configs ... by name)
+    Configuration("plain vLLM, libgomp", "plain-gomp", reads_store=False, default=False, openmp="gnu"),
+    Configuration("connector, libgomp", "connector-gomp", default=False, openmp="gnu"),
+    Configuration("connector + ngram, libgomp", "connector-ngram-gomp", spec="ngram", default=False, openmp="gnu"),
+    # opt-in: the proposer's draft forward on a bfloat16 copy of the linear layers (draft_model.Bf16Linear)
+    Configuration(
+        "connector + proposer, bfloat16 drafts",
+        "connector-proposer-bf16",
+        spec="proposer",
+        alternative=False,
+        default=False,
+        env=(("VERICACHE_DRAFT_WEIGHTS", "bfloat16"),),
     ),
 )
 
@@ -291,6 +311,7 @@ def parse_args(argv=None):
         p.error(f"unknown --configs {unknown} for --topology {a.topology}; choose from {[c.label for c in topology]}")
     chosen = {BY_NAME[c].label for c in a.configs}
     a.configs = [c.label for c in topology if c.label in chosen]  # the table's order
+    a.ld_preload = os.environ.get("LD_PRELOAD", "")  # before --openmp's: what a libgomp configuration keeps
     a.scale_to = a.scale_to or ("llama3-8b" if a.topology == "router" else "none")
     if a.topology == "router" and a.drafters < 1:
         p.error(f"--drafters must be >= 1, got {a.drafters}")

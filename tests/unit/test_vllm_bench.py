@@ -266,3 +266,24 @@ def test_openmp_intel_preloads_the_environments_libiomp5_for_every_server(tmp_pa
     assert vllm_bench.openmp_env("gnu") == {}
     with pytest.raises(SystemExit):
         vllm_bench.parse_args(["--openmp", "llvm"])
+
+
+def test_a_libgomp_alternative_runs_without_the_intel_preload(tmp_path, monkeypatch):
+    """--openmp intel preloads libiomp5 for every server; the libgomp alternatives (asked for by name) keep the
+    environment's own LD_PRELOAD, so each alternative can run with its faster OpenMP runtime."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc.so")
+    args = vllm_bench.parse_args(["--configs", "plain", "plain-gomp", "connector-gomp", "connector-proposer"])
+    assert [c for c in args.configs] == [
+        "plain vLLM",
+        "connector + proposer",
+        "plain vLLM, libgomp",
+        "connector, libgomp",
+    ]
+    ctx = vllm_bench.Context(args, "/m", 4096, gbits=0.1, store_url="local:///s", name="x")
+    env = {label: vllm_bench.BY_NAME[label].servers(ctx)["vllm"].env for label in args.configs}
+    assert env["plain vLLM, libgomp"] == env["connector, libgomp"] == {"LD_PRELOAD": "/x/libtcmalloc.so"}
+    assert env["plain vLLM"] == env["connector + proposer"] == {}  # the run's --openmp (the process environment)
+    assert vllm_bench.BY_NAME["connector, libgomp"].alternative and not vllm_bench.BY_NAME["connector, libgomp"].default
