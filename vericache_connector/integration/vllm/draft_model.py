@@ -40,15 +40,13 @@ class Bf16Linear:
         w = layer.weight.detach()
         if w.numel() == 0:
             w = layer.cpu_linear(torch.eye(layer.input_size_per_partition), None, None).t()
-        self.nbytes = w.numel() * 2
+        self.nbytes, self.ops = w.numel() * 2, ops
         self.handle = ops.create_onednn_mm(w.to(torch.bfloat16).t(), 32)
         bias = getattr(layer, "bias", None)
         self.bias = None if bias is None or not bias.numel() else bias.detach().float()
 
     def __call__(self, x: Tensor) -> Tensor:
-        from vllm import _custom_ops as ops
-
-        y = ops.onednn_mm(self.handle, x.to(torch.bfloat16), None).float()
+        y = self.ops.onednn_mm(self.handle, x.to(torch.bfloat16), None).float()
         return y if self.bias is None else y + self.bias
 
 
