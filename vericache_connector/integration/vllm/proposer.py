@@ -78,8 +78,7 @@ class CompressedKVProposer:
         lo, hi = getattr(spec, "prompt_lookup_min", None), getattr(spec, "prompt_lookup_max", None)
         self.ngram = (lo or NGRAM[0], hi or NGRAM[1])
         self.draft: DraftModel | None = None
-        self.draft_weights = draft_weights()
-        self.draft_cfg = DraftConfig()
+        self.draft_cfg = DraftConfig(weights=draft_weights())  # layout of the draft caches, weights of the drafts
         self.gate, self.pacer = TargetGate(), DraftPacer(self.k)
         self.groups: OrderedDict[int, Group] = OrderedDict()
         self.ngram_est = new_estimate()  # acceptance of n-gram drafts, all requests
@@ -149,7 +148,7 @@ class CompressedKVProposer:
     def _draft_model(self, target) -> DraftModel:
         """The draft forward over vLLM's modules; VERICACHE_DRAFT_WEIGHTS=bfloat16 gives it a bfloat16 copy of
         the linear layers (its size logged), or the model's own where that copy cannot be made."""
-        if self.draft_weights == "bfloat16":
+        if self.draft_cfg.weights == "bfloat16":
             try:
                 draft = DraftModel.of_vllm(target, self.hf_config, "bfloat16")
             except UnsupportedModel as e:
