@@ -276,6 +276,39 @@ def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requ
     assert drafts and p.stats["drafted"] >= len(drafts)
 
 
+def test_no_draft_cache_is_built_in_a_batch_where_compressed_drafts_cannot_pay(setup):
+    """A draft cache (the compressed prefix decoded: 41 MB for SmolLM2's 1,792-token documents) takes the cores
+    vLLM's steps need. In a batch of 8 where the measured costs say no compressed draft pays, a posted copy is
+    neither cut nor built, even on steps the batch switch lets propose, and the connector is told not to fetch
+    one for a recomputed prefix; the same request alone (drafts pay) gets its cache and drafts."""
+    eng, prompt, ref, compressed = setup
+    p = make_proposer(eng.model)
+    p.draft = DraftModel.of_own(eng.model)
+    p.handoff = DraftHandoff()
+    p.handoff.attach(p)
+    cut = []
+    p.handoff.post(prompt[:PREFIX], Deferred(lambda: cut.append(1) or compressed))
+    p.ngram = (64, 64)  # no n-gram drafts
+    for _ in range(5):  # 100 ms alone, 160 ms in a batch of 8; a draft step 20 ms
+        p.pacer.record_step(0.100, rows=1)
+        p.pacer.record_step(0.160, rows=8)
+    p.pacer.drafted(0.020)
+    g = torch.Generator().manual_seed(3)
+    others = [torch.randint(0, 256, (PROMPT_LEN,), generator=g).tolist() for _ in range(7)]
+    for n in range(1, 4):  # the switch's first steps at this batch propose (unmeasured: drafts on)
+        p.propose(*step_args([prompt + ref[:n], *others]))
+    time.sleep(0.2)
+    assert cut == [] and not p.groups and not p.drafts_could_pay()
+    p.propose(*step_args([prompt + ref[:4]]))
+    p.propose(*step_args([prompt + ref[:5]]))
+    deadline = time.monotonic() + 60
+    while not p.groups and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cut == [1] and len(p.groups) == 1 and p.drafts_could_pay()
+    (drafts,) = p.propose(*step_args([prompt + ref[:6]]))
+    assert drafts and p.stats["drafted"] >= len(drafts)
+
+
 def test_the_pacer_drafts_only_where_it_pays():
     est = AcceptanceEstimate(0.8)
     pacer = DraftPacer(k_max=16)

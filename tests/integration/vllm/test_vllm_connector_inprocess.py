@@ -507,6 +507,9 @@ class RecordingDrafter:
     def predraft_value(self):
         return None
 
+    def drafts_could_pay(self, batch=None) -> bool:
+        return True
+
     def predraft(self, prompt, prefix_len, compressed, loaded) -> None:
         self.got.append((prefix_len, compressed, loaded.is_set()))
 

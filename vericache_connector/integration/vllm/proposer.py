@@ -86,6 +86,8 @@ class CompressedKVProposer:
         self._last_rows: set[int] = set()  # the row keys of the previous propose (a new one: its prefill ran)
         self.switch = BatchSwitch()
         self._step_end: tuple[list[int], int, bool, float] | None = None  # the last propose: what the step ran
+        self._batch = 0  # running requests at the last propose
+        self._switch_said: dict[int, bool | None] = {}  # batch bucket -> what the switch last measured
         self._next_id = 0
         self._lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
         self._building: set[tuple[int, int]] = set()  # (prefix length, hash) of draft caches being built
@@ -166,6 +168,14 @@ class CompressedKVProposer:
         """Decode seconds pre-drafts saved per second of pre-drafting (what a second of load is worth to the
         connector's load-or-recompute decision); None until measured."""
         return None if self.draft is None else self.pacer.predraft_value()
+
+    def drafts_could_pay(self, batch: int | None = None) -> bool:
+        """Could a compressed-KV draft made after the load pay at this batch size (default: the batch of the
+        last step)? The pacer's horizon at the prior acceptance. A draft cache (the compressed prefix decoded,
+        tens of MB, on the cores vLLM's steps need) is built, and a compressed copy fetched for a recomputed
+        prefix (the connector asks), only then; pre-drafts during a load do not ask (they use idle time)."""
+        batch = self._batch if batch is None else batch
+        return self.draft is not None and self.pacer.horizon(new_estimate(), self.k, max(1, batch)) > 0
 
     def worth_predraft_during(self, seconds: float) -> bool:
         """split16's load asks, once the upper halves are in: is the rest's transfer long enough to draft in?"""
@@ -276,7 +286,10 @@ class CompressedKVProposer:
         total = sum(len(r) for r in rows.values())  # the batch's tokens: what the step emitted, next step
         self._measure_step(keys, total, prefill)
         self._last_rows, batch = set(keys), len(rows)
+        self._batch = batch
         allowed = self.switch.allows(batch)  # measured: do drafts raise the output at this batch size?
+        self._log_switch(batch)
+        build = allowed and self.drafts_could_pay(batch)  # a draft cache only where its drafts can pay
         self._find_handoff()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         present, to_draft = set(), []
@@ -290,7 +303,7 @@ class CompressedKVProposer:
                 self.stats["seeded"] += 1
                 continue
             self._account_ngram(row)
-            group = self._match(row, present, build=allowed)
+            group = self._match(row, present, build=build)
             if not allowed:  # no drafts this step: the request's draft state is kept, nothing is built or made
                 if group is not None:
                     present.add(id(group))
@@ -338,6 +351,19 @@ class CompressedKVProposer:
         self.pacer.propose_ended(sum(len(o) for o in out), rows=batch)
         self._step_end = (keys, total, any(out), time.perf_counter())
         return out
+
+    def _log_switch(self, batch: int) -> None:
+        """An INFO line whenever the batch switch's measured verdict for a batch bucket changes."""
+        bucket, pays = self.switch.bucket(batch), self.switch.pays(batch)
+        if self._switch_said.get(bucket) != pays:
+            self._switch_said[bucket] = pays
+            if pays is not None:
+                logger.info(
+                    "VeriCache proposer: drafts %s at batch %d; %s",
+                    "on" if pays else "off",
+                    batch,
+                    self.switch.describe(),
+                )
 
     def _measure_step(self, keys: list[int], total: int, prefill: bool) -> None:
         """The step vLLM just ran: the tokens it emitted (the rows' growth) over its seconds, with or without
@@ -398,21 +424,25 @@ class CompressedKVProposer:
                         self.groups.move_to_end(next(k for k, v in self.groups.items() if v is g))
                         return g
         handoff = self.handoff
-        found = None if handoff is None or self.draft is None or not build else handoff.find(row)
+        found = None if handoff is None or self.draft is None else handoff.find(row)
         if found is None:
             return None
         # A copy posted without a pre-draft (a fast load): its draft cache is built on a thread of its own,
         # not in this call, which vLLM's step waits for; and from the request's second step on, so that the
-        # build (and the cut of a Deferred copy) does not take the cores while its first token goes out.
+        # build (and the cut of a Deferred copy) does not take the cores while its first token goes out; and
+        # only at a step that may draft on it (build).
         key = (found[0], hash(tuple(row[: found[0]])))
         with self._lock:
             if key in self._building:
                 return None
-            if self._sighted.pop(key, None) is None:
+            if key not in self._sighted:
                 self._sighted[key] = True
                 while len(self._sighted) > MAX_GROUPS:
                     self._sighted.popitem(last=False)
                 return None
+            if not build:
+                return None
+            del self._sighted[key]
             self._building.add(key)
 
         def build():

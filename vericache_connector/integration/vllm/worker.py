@@ -103,8 +103,13 @@ class VeriCacheConnectorWorker:
             self.client.submit(self._load(spec, meta.idle))
         for spec in meta.drafts_only:  # computed here, not loaded: the proposer drafts on the compressed copy
             fresh = self.handoff is not None and not self.handoff.has(spec.prefix)
-            if fresh and not self.handoff.seeded(spec.prompt) and not self._loading:  # only on an idle link
+            # only on an idle link, and where the proposer's drafts after the load could pay at its batch size
+            if fresh and not self.handoff.seeded(spec.prompt) and not self._loading and self._wants_copy():
                 self.client.submit(self._fetch_for_drafts(spec))
+
+    def _wants_copy(self) -> bool:
+        drafter = self.handoff.drafter
+        return drafter is None or drafter.drafts_could_pay()
 
     def _load_ended(self, req_id: str) -> None:
         """A load is over (loaded or failed): get_finished reports it, and an idle step waits on it no more."""
