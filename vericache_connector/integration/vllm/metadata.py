@@ -45,10 +45,13 @@ class VeriCacheWorkerMeta(KVConnectorWorkerMetadata):
     forward_s: float | None = None  # vLLM's forward this step (metadata bound -> worker meta asked)
 
     def aggregate(self, other: "VeriCacheWorkerMeta") -> "VeriCacheWorkerMeta":
+        """vLLM merges every worker's (tensor / pipeline parallel): each loads the same tokens (its own heads'
+        or layers' share of them) at the same time, so the link brought the most any worker counted, not the
+        sum (which would read a TP=N link as N times as fast)."""
         values = [v for v in (self.predraft_value, other.predraft_value) if v is not None]
         forwards = [v for v in (self.forward_s, other.forward_s) if v is not None]
         return VeriCacheWorkerMeta(
-            self.link_tokens + other.link_tokens,
+            max(self.link_tokens, other.link_tokens),
             max(self.busy_s, other.busy_s),
             min(values) if values else None,
             max(forwards) if forwards else None,
