@@ -430,35 +430,6 @@ def test_worker_saves_loads_and_reports_failed_blocks(model_dir, store_url):
         conn.shutdown()
 
 
-def test_a_steps_loads_start_when_vllm_binds_its_metadata_not_after_the_forward(model_dir, store_url, monkeypatch):
-    """vLLM calls start_load_kv for asynchronous loads after the forward's launch: at once on a GPU, a whole
-    step later on the CPU. The connector starts them when vLLM binds the step's metadata (before the forward),
-    once: start_load_kv after the forward starts nothing again."""
-    from vericache_connector.integration.vllm import worker as worker_module
-
-    asyncio.run(_seed(store_url, PROMPT[:STORED]))
-    conn, views = worker(model_dir, store_url)
-    original, started = worker_module.stream_full_copy, []
-
-    async def recorded(*args, **kwargs):
-        started.append(time.perf_counter())
-        return await original(*args, **kwargs)
-
-    monkeypatch.setattr(worker_module, "stream_full_copy", recorded)
-    try:
-        spec = LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)
-        t_bind = time.perf_counter()
-        conn.bind_connector_metadata(VeriCacheMetadata(loads=[spec], idle=False))
-        time.sleep(0.5)  # the forward
-        conn.start_load_kv(None)
-        assert wait_for(lambda: conn.get_finished(set())[1]) == {"b"}
-        assert len(started) == 1 and started[0] - t_bind < 0.4, started
-        time.sleep(0.2)
-        assert len(started) == 1 and conn.get_finished(set())[1] is None  # not loaded twice
-    finally:
-        conn.shutdown()
-
-
 def test_a_step_without_a_forward_waits_for_the_load_instead_of_spinning(model_dir, store_url, monkeypatch):
     """vLLM runs steps back to back while every request waits for its KV; such a step (metadata idle) waits
     up to IDLE_WAIT_S for a load to end instead of answering at once (each answer takes the worker's GIL

@@ -108,12 +108,6 @@ class VeriCacheConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self.connector_worker is not None:  # vLLM binds it right before the forward: the step's time starts
             self.connector_worker.forward_started()
-            # This step's loads start now, not in start_load_kv: vLLM calls that after the forward's launch for
-            # asynchronous loads, which on a GPU is at once but on the CPU (a forward that returns when it is
-            # done) is a whole step later: a load scheduled beside a 1,800-token prefill started 2.4 s late. The
-            # blocks are vLLM's already (zeroed before this call) and no forward reads them until the load ends.
-            if isinstance(connector_metadata, VeriCacheMetadata):
-                self.connector_worker.start_load_kv(connector_metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self.worker.register_kv_caches(kv_caches)
@@ -121,7 +115,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, VeriCacheMetadata)
-        self.worker.start_load_kv(meta)  # started at bind_connector_metadata already: a no-op then
+        self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: the request waits until get_finished reports it

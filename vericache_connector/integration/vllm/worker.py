@@ -67,7 +67,6 @@ class VeriCacheConnectorWorker:
         self._compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
         self.meter = LinkMeter()  # what the loads move, reported to the scheduler side each step
         self._forward_t0: float | None = None  # this step's forward started (reported with the link's progress)
-        self._started: VeriCacheMetadata | None = None  # the metadata whose loads were started last
         self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -95,11 +94,6 @@ class VeriCacheConnectorWorker:
         self._forward_t0 = time.perf_counter()
 
     def start_load_kv(self, meta: VeriCacheMetadata) -> None:
-        """Start this step's loads and compressed-copy fetches (once per metadata: the connector starts them when
-        vLLM binds it, before the forward, and vLLM's own start_load_kv after it finds them started)."""
-        if meta is self._started:
-            return
-        self._started = meta
         with self._lock:
             self._loading += len(meta.loads)
             self._idle_step = meta.idle
