@@ -289,7 +289,6 @@ class CompressedKVProposer:
         self._batch = batch
         allowed = self.switch.allows(batch)  # measured: do drafts raise the output at this batch size?
         self._log_switch(batch)
-        build = allowed and self.drafts_could_pay(batch)  # a draft cache only where its drafts can pay
         self._find_handoff()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         present, to_draft = set(), []
@@ -303,7 +302,7 @@ class CompressedKVProposer:
                 self.stats["seeded"] += 1
                 continue
             self._account_ngram(row)
-            group = self._match(row, present, build=build)
+            group = self._match(row, present, build=allowed)
             if not allowed:  # no drafts this step: the request's draft state is kept, nothing is built or made
                 if group is not None:
                     present.add(id(group))
@@ -430,7 +429,7 @@ class CompressedKVProposer:
         # A copy posted without a pre-draft (a fast load): its draft cache is built on a thread of its own,
         # not in this call, which vLLM's step waits for; and from the request's second step on, so that the
         # build (and the cut of a Deferred copy) does not take the cores while its first token goes out; and
-        # only at a step that may draft on it (build).
+        # only at a step that may draft (build) at a batch size where its compressed drafts could pay.
         key = (found[0], hash(tuple(row[: found[0]])))
         with self._lock:
             if key in self._building:
@@ -440,7 +439,7 @@ class CompressedKVProposer:
                 while len(self._sighted) > MAX_GROUPS:
                     self._sighted.popitem(last=False)
                 return None
-            if not build:
+            if not (build and self.drafts_could_pay()):
                 return None
             del self._sighted[key]
             self._building.add(key)
