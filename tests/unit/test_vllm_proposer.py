@@ -249,25 +249,38 @@ def test_a_predraft_yields_to_the_served_models_steps(setup):
     assert max(waits) < 0.5, max(waits)  # no step waited more than about one draft step (the suffix feed)
 
 
-def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requests_second_step(setup):
-    """A fast load posts no pre-draft, only a Deferred copy (split16: cut from the loaded KV). The request's
-    first step (its first token) neither cuts it nor builds a draft cache; the second starts both on a
-    thread of its own; compressed-KV drafts follow."""
-    eng, prompt, ref, compressed = setup
+def with_posted_copy(eng, prompt, compressed):
+    """A proposer over the tiny model whose handoff holds a Deferred copy of the prompt's prefix, posted without
+    a pre-draft (a fast load), and the names of the threads that cut it (none yet); no n-gram drafts (a random
+    model's greedy output loops)."""
     p = make_proposer(eng.model)
     p.draft = DraftModel.of_own(eng.model)
     p.handoff = DraftHandoff()
     p.handoff.attach(p)
     cut = []
     p.handoff.post(prompt[:PREFIX], Deferred(lambda: cut.append(threading.current_thread().name) or compressed))
-    p.ngram = (64, 64)  # no n-gram drafts (a random model's greedy output loops)
+    p.ngram = (64, 64)
+    return p, cut
+
+
+def wait_for_group(p, timeout_s: float = 60.0) -> None:
+    """Until the proposer's draft-cache thread has built a group (or timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not p.groups and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requests_second_step(setup):
+    """A fast load posts no pre-draft, only a Deferred copy (split16: cut from the loaded KV). The request's
+    first step (its first token) neither cuts it nor builds a draft cache; the second starts both on a
+    thread of its own; compressed-KV drafts follow."""
+    eng, prompt, ref, compressed = setup
+    p, cut = with_posted_copy(eng, prompt, compressed)
     assert p.propose(*step_args([prompt + ref[:1]])) == [[]]
     time.sleep(0.2)
     assert cut == [] and not p.groups  # nothing beside the first token's step
     p.propose(*step_args([prompt + ref[:2]]))
-    deadline = time.monotonic() + 60
-    while not p.groups and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_group(p)
     assert cut == ["vericache-draft-cache"] and len(p.groups) == 1
     for _ in range(5):
         p.pacer.record_step(0.1)
@@ -282,13 +295,7 @@ def test_no_draft_cache_is_built_in_a_batch_where_compressed_drafts_cannot_pay(s
     neither cut nor built, even on steps the batch switch lets propose, and the connector is told not to fetch
     one for a recomputed prefix; the same request alone (drafts pay) gets its cache and drafts."""
     eng, prompt, ref, compressed = setup
-    p = make_proposer(eng.model)
-    p.draft = DraftModel.of_own(eng.model)
-    p.handoff = DraftHandoff()
-    p.handoff.attach(p)
-    cut = []
-    p.handoff.post(prompt[:PREFIX], Deferred(lambda: cut.append(1) or compressed))
-    p.ngram = (64, 64)  # no n-gram drafts
+    p, cut = with_posted_copy(eng, prompt, compressed)
     for _ in range(5):  # 100 ms alone, 160 ms in a batch of 8; a draft step 20 ms
         p.pacer.record_step(0.100, rows=1)
         p.pacer.record_step(0.160, rows=8)
@@ -301,10 +308,8 @@ def test_no_draft_cache_is_built_in_a_batch_where_compressed_drafts_cannot_pay(s
     assert cut == [] and not p.groups and not p.drafts_could_pay()
     p.propose(*step_args([prompt + ref[:4]]))
     p.propose(*step_args([prompt + ref[:5]]))
-    deadline = time.monotonic() + 60
-    while not p.groups and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cut == [1] and len(p.groups) == 1 and p.drafts_could_pay()
+    wait_for_group(p)
+    assert cut == ["vericache-draft-cache"] and len(p.groups) == 1 and p.drafts_could_pay()
     (drafts,) = p.propose(*step_args([prompt + ref[:6]]))
     assert drafts and p.stats["drafted"] >= len(drafts)
 
