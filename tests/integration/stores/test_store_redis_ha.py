@@ -105,7 +105,9 @@ def test_a_sentinel_failover_mid_request_loses_nothing(wl, sentinel):
         assert master.client().wait(1, 5000) == 1  # every write on the replica
         cache.store.backend = KillMidStream(cache.store.backend, master.kill)
         during = wl.ask(cache, 0)  # the master dies while its full copy streams in
-        assert master.proc.poll() is not None
+        # The kill runs on a thread the failed stream may have stopped awaiting, and Popen.poll() answers None
+        # while that thread's wait() holds the reaping lock: wait for the exit instead of sampling it.
+        assert master.proc.wait(10) is not None
         assert during.path == "hit-recompute" and "ConnectionError" in during.error, (during.path, during.error)
         paths = []
         deadline = time.monotonic() + 30
