@@ -54,6 +54,7 @@ from .chains import BRANCH_P, MAX_BRANCHES, Chain, Group, common
 from .draft_model import DraftModel, UnsupportedModel
 from .handoff import Deferred, DraftHandoff, find_handoff, materialize
 from .pacing import BatchSwitch, DraftPacer, TargetGate, new_estimate
+from .rows import RowTracker
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
 
@@ -82,10 +83,10 @@ class CompressedKVProposer:
         self.gate, self.pacer = TargetGate(), DraftPacer(self.k)
         self.groups: OrderedDict[int, Group] = OrderedDict()
         self.ngram_est = new_estimate()  # acceptance of n-gram drafts, all requests
-        self._ngram_last: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
-        self._last_rows: set[int] = set()  # the row keys of the previous propose (a new one: its prefill ran)
+        self._ngram_last: dict[int, tuple[int, list[int]]] = {}  # batch index -> n-gram drafts proposed last step
+        self.rows = RowTracker()  # which request each row is, step to step (rows.py)
         self.switch = BatchSwitch()
-        self._step_end: tuple[list[int], int, bool, float] | None = None  # the last propose: what the step ran
+        self._step_end: tuple[int, bool, float] | None = None  # the last propose: (batch tokens, drafted, end)
         self._batch = 0  # running requests at the last propose
         self._switch_said: dict[int, bool | None] = {}  # batch bucket -> what the switch last measured
         self._next_id = 0
@@ -280,13 +281,13 @@ class CompressedKVProposer:
         for i, sampled in enumerate(sampled_token_ids):
             if len(sampled):
                 rows[i] = np.asarray(token_ids_cpu[i, : int(num_tokens_no_spec[i])])
-        keys = sorted(_row_key(r.tolist()) for r in rows.values())
-        prefill = bool(set(keys) - self._last_rows)  # a new request: its prefill ran in the step too
+        was = self.rows.match(rows)  # batch index -> the request's index at the last propose (None: new)
+        prefill = any(p is None for p in was.values())  # a new request: its prefill ran in the step too
         self.pacer.propose_started(prefill=prefill)
         total = sum(len(r) for r in rows.values())  # the batch's tokens: what the step emitted, next step
-        self._measure_step(keys, total, prefill)
-        self._last_rows, batch = set(keys), len(rows)
-        self._batch = batch
+        self._measure_step(self.rows.same_batch(was), len(rows), total)
+        ngram_last, self._ngram_last = self._ngram_last, {}
+        self._batch = batch = len(rows)
         allowed = self.switch.allows(batch)  # measured: do drafts raise the output at this batch size?
         self._log_switch(batch)
         self._find_handoff()
@@ -301,7 +302,7 @@ class CompressedKVProposer:
             if self.handoff is not None and self.handoff.seeded(row):  # sampled with a seed: none (handoff.py)
                 self.stats["seeded"] += 1
                 continue
-            self._account_ngram(row)
+            self._account_ngram(row, ngram_last.get(was[i]))
             group = self._match(row, present, build=allowed)
             if not allowed:  # no drafts this step: the request's draft state is kept, nothing is built or made
                 if group is not None:
@@ -331,7 +332,7 @@ class CompressedKVProposer:
                     continue
             if gram:
                 out[i] = gram[: self.pacer.free_horizon(self.ngram_est, len(gram), batch)]
-                self._ngram_last[_row_key(row)] = (len(row), list(out[i]))
+                self._ngram_last[i] = (len(row), list(out[i]))
                 self.stats["ngram"] += 1
                 continue
             if group is not None and self.draft is not None:
@@ -348,7 +349,7 @@ class CompressedKVProposer:
         if self.stats["proposals"] % LOG_EVERY == 0:
             logger.info("VeriCache proposer: %s, %s; %s", self.stats, self.pacer.describe(), self.switch.describe())
         self.pacer.propose_ended(sum(len(o) for o in out), rows=batch)
-        self._step_end = (keys, total, any(out), time.perf_counter())
+        self._step_end = (total, any(out), time.perf_counter())
         return out
 
     def _log_switch(self, batch: int) -> None:
@@ -364,13 +365,12 @@ class CompressedKVProposer:
                     self.switch.describe(),
                 )
 
-    def _measure_step(self, keys: list[int], total: int, prefill: bool) -> None:
+    def _measure_step(self, same_batch: bool, batch: int, total: int) -> None:
         """The step vLLM just ran: the tokens it emitted (the rows' growth) over its seconds, with or without
-        drafts, for the batch switch; left out where the batch changed or a prefill ran."""
-        if self._step_end is not None and not prefill:
-            last_keys, last_total, drafted, end = self._step_end
-            if keys == last_keys:
-                self.switch.record(len(keys), drafted, total - last_total, time.perf_counter() - end)
+        drafts, for the batch switch; left out where the batch changed (a new request's prefill ran)."""
+        if self._step_end is not None and same_batch:
+            last_total, drafted, end = self._step_end
+            self.switch.record(batch, drafted, total - last_total, time.perf_counter() - end)
         self._step_end = None
 
     def _account(self, group: Group, row: list[int]) -> None:
@@ -386,8 +386,8 @@ class CompressedKVProposer:
             if source == "predraft":
                 group.predraft_accepted += n
 
-    def _account_ngram(self, row: list[int]) -> None:
-        got = self._ngram_last.pop(_row_key(row), None)
+    def _account_ngram(self, row: list[int], got: tuple[int, list[int]] | None) -> None:
+        """Acceptance of the n-gram drafts proposed for this request last step (got: where, and what)."""
         if got is not None and len(row) > got[0]:
             at, drafts = got
             n = common(drafts, row[at:], 0)
@@ -502,11 +502,6 @@ def draft_weights(env=None) -> str:
     if value not in ("model", "bfloat16"):
         raise ValueError(f"{DRAFT_WEIGHTS_ENV} must be 'model' or 'bfloat16', got {value!r}")
     return value
-
-
-def _row_key(row: list[int]) -> int:
-    """A request's key across steps (its first tokens do not change)."""
-    return hash(tuple(row[:64]))
 
 
 try:  # vLLM's own prompt-lookup matcher (the `ngram` method's), so our n-gram drafts are exactly its drafts
