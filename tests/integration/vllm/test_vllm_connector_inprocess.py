@@ -181,6 +181,36 @@ def test_requests_sharing_a_stored_prefix_load_it_once(model_dir, store_url):
     assert so.num_scheduled_tokens[second.request_id] == 60 and so.num_scheduled_tokens[first.request_id] == 88
 
 
+def test_a_partly_loaded_prefix_is_not_saved_again_by_its_twin(model_dir, store_url, monkeypatch):
+    """The first request on a stored document loads a leading part of it and computes the rest (a partial
+    load); a second on the same document then finds all of it in vLLM's cache. The store holds the document
+    whole: neither writes it again (each such save rewrote the document's 82 MB on the served-load
+    benchmark's CPU, beside vLLM's steps)."""
+    from vericache_connector.integration.vllm import load_plan
+
+    asyncio.run(_seed(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(
+        create_vllm_config(model_dir, {"store": store_url, "compressor": "int8"}, prefix_caching=True)
+    )
+    partial = lambda rid, computed, found, *a: load_plan.Plan(256, found - computed, *[None] * 5, 0, 0)  # noqa: E731
+    monkeypatch.setattr(sched.connector.scheduler.planner, "plan", partial)
+    first, second = create_request(PROMPT), create_request(PROMPT[:STORED] + list(range(7000, 7060)))
+    sched.add_request(first)
+    sched.add_request(second)
+    so = sched.schedule()
+    (load,) = so.kv_connector_metadata.loads
+    assert load.req_id == first.request_id and len(load.prefix) == 256  # the leading chunk only
+    saves = list(so.kv_connector_metadata.saves)
+    sched.update_from_output(so, runner_output([], finished_recving={first.request_id}))
+    for _ in range(3):  # the first computes the rest of the document, then the second runs on vLLM's cache
+        so = sched.schedule()
+        saves += so.kv_connector_metadata.saves
+        sched.update_from_output(
+            so, runner_output([r for r in (first, second) if r.request_id in so.num_scheduled_tokens])
+        )
+    assert second.num_computed_tokens >= STORED and not saves
+
+
 def test_requests_decided_in_one_step_share_the_link_and_the_cpu(model_dir, store_url):
     """Two stored documents asked for in the same step, nothing measured yet: the first loads, the second is
     computed (the first's load is on the link queue already when the second is decided)."""

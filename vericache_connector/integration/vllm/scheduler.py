@@ -175,9 +175,9 @@ class VeriCacheConnectorScheduler:
                 self.stats.count("load_decisions", plan.decision)
                 logger.info("VeriCache load-or-recompute: %s: %s", rid, plan.describe())
         self._owners[key] = _Owner(rid, load > 0, time.monotonic())
+        if found == self.stored_len(prompt):  # the store holds it whole: what is computed of it is not saved
+            self._seen(prompt[:found], remember="loaded")  # again, here or by a twin served by vLLM's cache
         if load == 0:  # computed here: with our proposer, its compressed copy still comes to draft on
-            if found == self.stored_len(prompt):  # the store holds it whole: not saved again after computing
-                self._seen(prompt[:found], remember="loaded")
             self.planner.prefill_left(rid, len(prompt) - computed)
             self.planner.load_started(rid, 0)  # decided to load last time and not scheduled: not any more
             if self.spec.runs_proposer:
