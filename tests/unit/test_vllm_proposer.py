@@ -391,7 +391,7 @@ def test_switched_off_the_proposer_proposes_nothing_and_ngram_matches_are_vllms_
     want = vllm_ngram(np.array(loop, dtype=np.int32), 2, 4, 4096, K).tolist()
     assert want[:3] == [14, 15, 16] and drafts == want[: len(drafts)]  # vLLM's matcher's drafts
     # as many as pay for their rows in the verify forward: 100 ms steps, + 10 ms a draft (the CPU prior)
-    assert len(drafts) == p.pacer.free_horizon(p.ngram_est, len(want)) == 6
+    assert len(drafts) == p.pacer.free_horizon(p.ngram_est[3], len(want)) == 6  # a 3-token match
 
 
 def test_a_rejected_draft_continues_on_the_branch_that_took_the_full_models_token(setup, monkeypatch):
@@ -494,7 +494,37 @@ def test_requests_sharing_a_long_prefix_are_told_apart(setup):
     a, b = a + loop[3:5], b + loop[3:6]  # each request took 2 / 3 drafted tokens: its own drafts
     p.propose(*step_args([b, a]))  # vLLM moved the rows: still the same two requests
     assert seen == [(2, True, 5)]
-    assert p.accepted["ngram"] == 5 and p.ngram_est.rejected == 2  # each one rejected once, after its own
+    assert p.accepted["ngram"] == 5  # each request's own drafts
+    assert sum(e.rejected for e in p.ngram_est.values()) == 2  # each one's rejected once, after what it took
     c = doc + [5, 6] + loop[:3]  # a finished; a third question on the document takes its place
     p.propose(*step_args([b + loop[6:7], c]))
     assert seen == [(2, True, 5)]  # a new request: its prefill ran in the step, which is not a sample
+
+
+def test_ngram_drafts_are_sized_by_the_acceptance_of_matches_of_their_length(setup):
+    """At a batch of 8, 80 ms steps, +3 ms a verified draft: a 4-token match's drafts, accepted 85% of the time,
+    pay for several rows of the verify forward; a 2-token match's, accepted 35%, pay for none. Each is vLLM's own
+    matcher's continuation, and its acceptance is counted for the length of its match."""
+    eng, prompt, ref, compressed = setup
+    p = make_proposer(eng.model, k=16)
+    for _ in range(5):
+        p.pacer.record_step(0.08, rows=8)
+    for _ in range(5):
+        p.pacer.record_step(0.08 + 4 * 0.003, rows=8, drafts=4)
+    for n, a in ((4, 0.85), (3, 0.6), (2, 0.35)):
+        p.ngram_est[n] = AcceptanceEstimate(a, weight=1000.0)
+    run = list(range(200, 216))
+    four = prompt[:30] + [7, 8, 9, 10] + run + prompt[30:50] + [7, 8, 9, 10]  # ends in a 4-token match
+    two = prompt[60:90] + [7, 8, 9, 10] + run + prompt[90:110] + [3, 4, 9, 10]  # a 2-token one (9, 10)
+    rows = [four, two] + [[(t * 13 + j) % 256 for t in range(40)] for j in range(6)]
+    p.ngram = (4, 4)
+    assert p._ngram(np.array(rows[1]), 16) == (0, [])
+    p.ngram = (2, 4)
+    assert p._ngram(np.array(four), 16) == (4, run) and p._ngram(np.array(two), 16) == (2, run)
+    p.switch.allows = lambda rows: True
+    out = p.propose(*step_args(rows))
+    assert out[0] == run[: p.pacer.free_horizon(p.ngram_est[4], 16, 8)] and len(out[0]) >= 4
+    assert out[1] == [] and p.pacer.free_horizon(p.ngram_est[2], 16, 8) == 0
+    before = (p.ngram_est[4].accepted, p.ngram_est[2].accepted)
+    p.propose(*step_args([four + run[:2] + [99], two + [5], *(r + [1] for r in rows[2:])]))  # 2 accepted
+    assert (p.ngram_est[4].accepted, p.ngram_est[2].accepted) == (before[0] + 2, before[1])
