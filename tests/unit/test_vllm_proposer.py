@@ -476,6 +476,13 @@ def test_the_proposer_measures_what_each_step_emitted_for_the_switch(setup):
     assert seen == [(3, False, 3)] * 3  # the first call has no step before it
     p.propose(*step_args([prompt + ref[:5]]))  # the batch changed: not a sample
     assert len(seen) == 3
+    p.propose(*step_args([prompt + ref[:6]]))
+    assert seen[3:] == [(1, False, 1)] and len(p.pacer._plain[1]) == 1
+    sampled, lens, ids = step_args([prompt + ref[:7], others[0][:50]])
+    sampled[1] = []  # a new prompt's first chunk ran in the step: its row sampled nothing
+    p.propose(sampled, lens, ids)
+    p.propose(*step_args([prompt + ref[:8]]))
+    assert seen[4:] == [(1, False, 1)] and len(p.pacer._plain[1]) == 2  # the chunk's step left out of both
 
 
 def test_requests_sharing_a_long_prefix_are_told_apart(setup):

@@ -284,10 +284,12 @@ class CompressedKVProposer:
             if len(sampled):
                 rows[i] = np.asarray(token_ids_cpu[i, : int(num_tokens_no_spec[i])])
         was = self.rows.match(rows)  # batch index -> the request's index at the last propose (None: new)
-        prefill = any(p is None for p in was.values())  # a new request: its prefill ran in the step too
+        # A prefill ran in the step too: a new request's (its prompt's last chunk), or a chunk of a prompt still
+        # being computed (its row sampled nothing). Its time is a prefill's: an outlier for the step costs.
+        prefill = any(p is None for p in was.values()) or len(rows) < len(sampled_token_ids)
         self.pacer.propose_started(prefill=prefill)
         total = sum(len(r) for r in rows.values())  # the batch's tokens: what the step emitted, next step
-        self._measure_step(self.rows.same_batch(was), len(rows), total)
+        self._measure_step(self.rows.same_batch(was) and not prefill, len(rows), total)
         ngram_last, self._ngram_last = self._ngram_last, {}
         self._batch = batch = len(rows)
         allowed = self.switch.allows(batch)  # measured: do drafts raise the output at this batch size?
