@@ -1,0 +1,132 @@
+"""How often vLLM's prompt-lookup (n-gram) drafts are right, by the length of the match behind them, replayed
+over the outputs of a served-load run (benchmarks/vllm_bench.py's results folder: its dataset.jsonl and one
+client JSON with generated texts, by default plain vLLM's at the highest concurrency).
+
+At every output position of every request, vLLM's own matcher (the `ngram` method's) is asked for --k drafts
+on the tokens so far, longest match first (--max-n down to --min-n, as the proposer asks it); the drafts are
+compared with the tokens the request went on to produce. Per match length: how many positions had such a
+match, and P(the first i drafts all right) for i = 1..k: the acceptance a greedy verifier would give those
+drafts. No model runs (the outputs are a past run's, re-tokenized with the model's tokenizer: a text that
+tokenizes otherwise than it was generated shifts a few positions). The CompressedKVProposer keeps one
+acceptance estimate per match length because of what this shows (integration/vllm/proposer.py, _ngram).
+
+    python benchmarks/ngram_replay.py results/vllm_bench/20261206-161107
+
+Writes results/ngram_replay/<stamp>/: results.json (a top-level "summary": one entry per match length with
+`n`, `positions`, `p_first_i_right`), table.md, command.txt, acceptance.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import bench_paths
+
+ROOT = bench_paths.setup()
+
+
+def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: int) -> dict[int, list[int]]:
+    """n -> [positions with an n-token match, positions whose first 1..k drafts were all right]."""
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as match
+
+    counts: dict[int, list[int]] = {}
+    for prompt, output in rows:
+        row = np.array(prompt + output, dtype=np.int32)
+        for t in range(len(prompt), len(row)):
+            for n in range(max_n, min_n - 1, -1):
+                drafts = match(row[:t], n, n, 1 << 30, k)
+                if len(drafts):
+                    right = 0
+                    while right < min(len(drafts), len(row) - t) and drafts[right] == row[t + right]:
+                        right += 1
+                    c = counts.setdefault(n, [0] * (k + 1))
+                    c[0] += 1
+                    for i in range(1, right + 1):
+                        c[i] += 1
+                    break
+    return counts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("run", type=Path, help="a results/vllm_bench/<stamp> folder")
+    ap.add_argument("--client", help="its client JSON under clients/ (default: plain vLLM's, highest concurrency)")
+    ap.add_argument("--min-n", type=int, default=2, help="prompt_lookup_min")
+    ap.add_argument("--max-n", type=int, default=4, help="prompt_lookup_max")
+    ap.add_argument("--k", type=int, default=8, help="drafts per position")
+    ap.add_argument("--model", help="the tokenizer's model directory (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "ngram_replay")
+    args = ap.parse_args(argv)
+    if not 1 <= args.min_n <= args.max_n or args.k < 1:
+        raise ValueError(f"need 1 <= --min-n <= --max-n and --k >= 1, got {args.min_n}, {args.max_n}, {args.k}")
+    dataset = args.run / "dataset.jsonl"
+    clients = sorted(
+        (args.run / "clients").glob("*plain*.json"), key=lambda p: int(p.name.split("-c")[1].split("-")[0])
+    )
+    client = args.run / "clients" / args.client if args.client else (clients[-1] if clients else None)
+    if not dataset.exists() or client is None or not client.exists():
+        raise ValueError(f"{args.run} has no dataset.jsonl or no client JSON ({args.client or 'plain vLLM'})")
+
+    from transformers import AutoTokenizer
+
+    from vericache_connector.model.loader import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(args.model or resolve_model_dir(None))
+    prompts = [json.loads(line)["prompt"] for line in dataset.read_text().splitlines() if line.strip()]
+    texts = json.loads(client.read_text())["generated_texts"]
+    rows = []
+    for p, g in zip(prompts, texts):
+        ids = tok(p)["input_ids"]
+        rows.append((ids, tok(p + g)["input_ids"][len(ids) :]))
+    counts = replay(rows, args.min_n, args.max_n, args.k)
+    total = sum(len(o) for _, o in rows)
+
+    summary = [
+        {"n": n, "positions": c[0], "p_first_i_right": [round(x / c[0], 4) for x in c[1:]]}
+        for n, c in sorted(counts.items(), reverse=True)
+    ]
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    head = "| match length | positions | " + " | ".join(f"first {i} right" for i in range(1, args.k + 1)) + " |"
+    lines = [
+        f"{total} output positions of {len(rows)} requests ({client.name}); vLLM's n-gram matcher, "
+        f"{args.k} drafts per position, longest match first:",
+        "",
+        head,
+        "|---:|---:|" + "---:|" * args.k,
+        *(
+            f"| {s['n']} | {s['positions']} | " + " | ".join(f"{x:.2f}" for x in s["p_first_i_right"]) + " |"
+            for s in summary
+        ),
+    ]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(
+        json.dumps({"summary": summary, "run": str(args.run), "client": client.name, "positions": total}, indent=1)
+    )
+    (out / "command.txt").write_text(" ".join([sys.executable, *sys.argv]) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summary:
+        ax.plot(
+            range(1, args.k + 1), s["p_first_i_right"], marker="o", label=f"{s['n']}-token match ({s['positions']})"
+        )
+    ax.set(xlabel="drafts i", ylabel="P(first i drafts right)", ylim=(0, 1), title="vLLM n-gram drafts by match length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=120)
+    print("\n".join(lines))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
