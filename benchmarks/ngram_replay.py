@@ -32,23 +32,21 @@ ROOT = bench_paths.setup()
 def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: int) -> dict[int, list[int]]:
     """n -> [positions with an n-token match, positions whose first 1..k drafts were all right]."""
     import numpy as np
-    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as match
+
+    from vericache_connector.integration.vllm.chains import common
+    from vericache_connector.integration.vllm.proposer import longest_ngram  # what the proposer asks
 
     counts: dict[int, list[int]] = {}
     for prompt, output in rows:
-        row = np.array(prompt + output, dtype=np.int32)
+        tokens = prompt + output
+        row = np.array(tokens, dtype=np.int32)
         for t in range(len(prompt), len(row)):
-            for n in range(max_n, min_n - 1, -1):
-                drafts = match(row[:t], n, n, 1 << 30, k)
-                if len(drafts):
-                    right = 0
-                    while right < min(len(drafts), len(row) - t) and drafts[right] == row[t + right]:
-                        right += 1
-                    c = counts.setdefault(n, [0] * (k + 1))
-                    c[0] += 1
-                    for i in range(1, right + 1):
-                        c[i] += 1
-                    break
+            n, drafts = longest_ngram(row[:t], min_n, max_n, 1 << 30, k)
+            if n:
+                c = counts.setdefault(n, [0] * (k + 1))
+                c[0] += 1
+                for i in range(1, common(drafts, tokens[t:], 0) + 1):
+                    c[i] += 1
     return counts
 
 

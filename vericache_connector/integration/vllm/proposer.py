@@ -412,19 +412,8 @@ class CompressedKVProposer:
             chain.group.proposed = (len(row), list(out[i]), "compressed")
 
     def _ngram(self, row: np.ndarray, room: int) -> tuple[int, list[int]]:
-        """(n, drafts): vLLM's prompt-lookup drafts for this row, those of its `ngram` method (the longest suffix
-        match of prompt_lookup_min..max tokens, at its earliest place), and the length n of that match. Asked
-        longest first, so that each length has its own acceptance estimate: the longer the match, the likelier
-        its continuation (on the served-load benchmark's greedy outputs a 4-token match's first draft was
-        right 86% of the time, its eighth 48%; a 2-token match's first 37%)."""
-        if _ngram_match is None:
-            return 0, []
-        ids = row.astype(np.int32)
-        for n in range(self.ngram[1], self.ngram[0] - 1, -1):
-            got = _ngram_match(ids, n, n, self.max_len, room)
-            if len(got):
-                return n, [int(t) for t in got]
-        return 0, []
+        """(n, drafts) of longest_ngram: each match length has its own acceptance estimate."""
+        return longest_ngram(row.astype(np.int32), *self.ngram, self.max_len, room)
 
     # ---- draft states -----------------------------------------------------------------------------------
     def _match(self, row: list[int], present: set[int], build: bool = True) -> Group | None:
@@ -522,3 +511,18 @@ try:  # vLLM's own prompt-lookup matcher (the `ngram` method's), so our n-gram d
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as _ngram_match
 except ImportError:  # pragma: no cover - another vLLM version: no n-gram drafts
     _ngram_match = None
+
+
+def longest_ngram(ids: np.ndarray, lo: int, hi: int, max_len: int, room: int) -> tuple[int, list[int]]:
+    """(n, drafts): vLLM's prompt-lookup drafts for these int32 tokens, those of its `ngram` method (the longest
+    suffix match of lo..hi tokens, at its earliest place), and the length n of that match ((0, []): none).
+    Asked longest first, so that the length is known: the longer the match, the likelier its continuation (on
+    the served-load benchmark's greedy outputs a 4-token match's first draft was right 86% of the time, its
+    eighth 48%; a 2-token match's first 37%: benchmarks/ngram_replay.py)."""
+    if _ngram_match is None:
+        return 0, []
+    for n in range(hi, lo - 1, -1):
+        got = _ngram_match(ids, n, n, max_len, room)
+        if len(got):
+            return n, [int(t) for t in got]
+    return 0, []
