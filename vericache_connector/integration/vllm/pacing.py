@@ -111,7 +111,7 @@ class DraftPacer:
         self.per_draft_prior = PER_DRAFT_PRIOR.get(device, PER_DRAFT_PRIOR["cpu"])
         self._draft = collections.deque(maxlen=SAMPLES)  # one batched single-token draft step
         self._plain: dict[int, collections.deque] = {}  # batch rows -> vLLM steps with no drafts to verify
-        self._per_draft = collections.deque(maxlen=SAMPLES)  # what one verified draft adds to a step
+        self._per_draft = collections.deque(maxlen=SAMPLES)  # (drafts, what they added to their step)
         self._last: tuple[float, int, int] | None = None  # the previous propose: (its end, rows, drafts)
         self._yields = collections.deque(maxlen=SAMPLES)  # pre-drafted tokens accepted, per request
         self._predraft_s = collections.deque(maxlen=SAMPLES)  # (accepted, seconds pre-drafted), per request
@@ -139,9 +139,12 @@ class DraftPacer:
 
     @property
     def per_draft_s(self) -> float:
-        """c: measured once a few steps verified drafts, else the prior share of a step."""
+        """c: measured once a few steps verified drafts (the seconds they added over the drafts they verified:
+        what drafting costs the server, an occasional slow step included, which a median of per-step ratios
+        leaves out; a step of one draft, its extra time mostly noise, weighs one draft), else the prior share
+        of a step."""
         if len(self._per_draft) >= 3:
-            return max(0.0, statistics.median(self._per_draft))
+            return max(0.0, sum(e for _, e in self._per_draft) / sum(x for x, _ in self._per_draft))
         return self.per_draft_prior * (self.step_s() or 0.0)
 
     # ---- measurements ----
@@ -150,7 +153,7 @@ class DraftPacer:
         if drafts == 0:
             self._plain.setdefault(rows, collections.deque(maxlen=SAMPLES)).append(seconds)
         elif (t_v := self.step_s(rows)) is not None:
-            self._per_draft.append((seconds - t_v) / drafts)
+            self._per_draft.append((drafts, seconds - t_v))
 
     def propose_started(self, now: float | None = None, prefill: bool = False) -> None:
         """vLLM's step ran between the end of the previous propose and now (prefill: it also computed a new
