@@ -289,6 +289,38 @@ def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requ
     assert drafts and p.stats["drafted"] >= len(drafts)
 
 
+def test_a_pre_draft_built_after_its_load_landed_is_none_and_its_request_builds_no_second_cache(setup, monkeypatch):
+    """On a busy CPU the pre-draft's draft cache can take longer to build than the rest of the load (the load
+    does not wait for it: worker.py). Meanwhile the request's own steps start no second build of the same
+    prefix; built after the full copy landed, the cache stays for later drafts but is no pre-draft (no
+    pre-draft counted, nothing credited to the link's decisions)."""
+    eng, prompt, ref, compressed = setup
+    p, _ = with_posted_copy(eng, prompt, compressed)
+    release, calls, new_group = threading.Event(), [], p._new_group
+
+    def slow_build(*args):
+        calls.append(threading.current_thread().name)
+        assert release.wait(30)
+        return new_group(*args)
+
+    monkeypatch.setattr(p, "_new_group", slow_build)
+    loaded = threading.Event()
+    posting = threading.Thread(target=p.predraft, args=(prompt, PREFIX, compressed, loaded), name="post")
+    posting.start()
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loaded.set()  # the full copy landed while the cache was building: the request runs
+    for i in range(1, 4):
+        assert p.propose(*step_args([prompt + ref[:i]])) == [[]]
+    time.sleep(0.2)
+    release.set()
+    posting.join(30)
+    assert calls == ["post"]  # one build, the pre-draft's
+    (group,) = p.groups.values()
+    assert group.prompt_len == 0 and p.stats["predrafts"] == 0 and not group.chains[0].predrafting
+
+
 def test_no_draft_cache_is_built_in_a_batch_where_compressed_drafts_cannot_pay(setup):
     """A draft cache (the compressed prefix decoded: 41 MB for SmolLM2's 1,792-token documents) takes the cores
     vLLM's steps need. In a batch of 8 where the measured costs say no compressed draft pays, a posted copy is

@@ -190,9 +190,18 @@ class CompressedKVProposer:
         """Draft the prompt's continuation on its compressed copy until `loaded` is set."""
         if self.draft is None or (loaded is not None and loaded.is_set()):
             return  # the full copy is in already: vLLM's own steps come next, a pre-draft would only delay them
-        chain = self._new_group(prompt, prefix_len, compressed)
-        if chain is None:
-            return
+        key = (prefix_len, hash(tuple(prompt[:prefix_len])))
+        with self._lock:
+            if key in self._building:
+                return
+            self._building.add(key)  # (the request may run before the draft cache is built: _match waits)
+        try:
+            chain = self._new_group(prompt, prefix_len, compressed)
+        finally:
+            with self._lock:
+                self._building.discard(key)
+        if chain is None or (loaded is not None and loaded.is_set()):
+            return  # built too late to pre-draft (a busy CPU): the draft cache stays for drafts after the load
         with self._lock:
             chain.group.prompt_len, chain.group.loaded = len(prompt), loaded
             chain.group.predraft_t0 = time.perf_counter()
