@@ -25,9 +25,13 @@ a leading part. With our proposer, a load's idle CPU time is not lost: it pre-dr
 meanwhile, and vLLM later accepts those drafts in a few steps. Its measured worth v (decode seconds saved
 per second of pre-drafting, reported by the worker) is credited: T(x) -= min(v (link(x) - C b), (m - 1) b1),
 m the request's max_tokens and b1 = a + b a decode step's time; but only among loads whose KV is ready within
-TTFT_SLACK of computing it (a cache never makes the first token slower than no cache: the credit breaks ties). x* = argmin T over chunk multiples; within 2% of the minimum the largest x wins (a load
-leaves the CPU to other requests). Until both rates are measured they are taken as equal: the queues then
-split concurrent requests between the link and the CPU, and measure both.
+TTFT_SLACK of computing it (a cache never makes the first token slower than no cache: the credit breaks ties).
+What is computed here also takes the CPU from the requests vLLM is running: each of the N it ran in its last
+step waits (n - x) b longer for its tokens, while a load makes only its own request wait. So among those
+loads x* = argmin T(x) + N (n - x) b over chunk multiples (a near-tie goes to the load while others run: one
+coin-flip recompute at concurrency 8 cost 13% of the output, results/vllm_bench/20261206-220313); within 2% of
+the minimum the largest x wins. Until both rates are measured they are taken as equal: the queues then split
+concurrent requests between the link and the CPU, and measure both.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Plan:
     cpu_ahead: int  # C, tokens
     predraft_value: float | None = None  # v
     ready_s: float | None = None  # when the KV is ready with this choice (T without the pre-draft credit)
+    running: int = 0  # N, requests vLLM ran in its last step (a recompute delays each)
 
     @property
     def decision(self) -> str:
@@ -71,7 +76,7 @@ class Plan:
         return (
             f"{self.decision} {self.load} of {self.n} stored tokens (est. {f(self.t_load_s)}; all {f(self.t_all_s)}, "
             f"none {f(self.t_none_s)}); link {r(self.rate_tok_s)} with {self.link_ahead} tokens ahead, prefill "
-            f"{r(self.prefill_tok_s)} with {self.cpu_ahead} tokens ahead"
+            f"{r(self.prefill_tok_s)} with {self.cpu_ahead} tokens ahead, {self.running} running"
             + ("" if self.predraft_value is None else f"; pre-drafts save {self.predraft_value:.2f} s per s of load")
         )
 
@@ -114,6 +119,7 @@ class LoadPlanner:
         self._backlog, self._at = 0.0, clock()  # L as of `_at`
         self._prefill: dict[str, int] = {}  # request -> prefill tokens it still has to compute
         self.predraft_value: float | None = None  # v: decode s saved per s of pre-drafting (the proposer)
+        self.running = 0  # N: requests vLLM ran in its last step
 
     # ---- what the server reports ----
     def link_report(self, tokens: float, busy_s: float) -> None:
@@ -154,6 +160,10 @@ class LoadPlanner:
             else:
                 self._prefill.pop(rid, None)
 
+    def ran(self, requests: int) -> None:
+        """vLLM's last step ran `requests` requests (the scheduler side, as it builds the step's metadata)."""
+        self.running = max(0, int(requests))
+
     def waits_for_probe(self, rid: str) -> bool:
         """Whether `rid`'s decision waits for the link's first measure: unmeasured, another request's load is on
         it and the CPU has another request's prefill ahead (so waiting leaves neither idle)."""
@@ -179,7 +189,7 @@ class LoadPlanner:
             self._drain()
             ahead_link = int(self._backlog)
             ahead_cpu = sum(t for r, t in self._prefill.items() if r != rid)
-            fit, rate = self.steps.fit(), self.rate
+            fit, rate, running = self.steps.fit(), self.rate, self.running
         measured = fit is not None and rate is not None
         a, b = fit if measured else (0.0, 1.0)  # not both measured: equal rates, the queues decide
         r = rate if measured else 1.0
@@ -199,7 +209,8 @@ class LoadPlanner:
         options = [0] + [e - start for e in range(self.chunk, found + 1, self.chunk) if e > start]
         if measured:  # a cache never makes the first token slower than no cache (within TTFT_SLACK)
             options = [x for x in options if x == 0 or ready(x) <= (1 + TTFT_SLACK) * ready(0)]
-        times = {x: t(x) for x in options}
+        # what this request computes, every running request waits for (measured rates only: else the queues decide)
+        times = {x: t(x) + (running * (n - x) * b if measured else 0.0) for x in options}
         best = min(times.values())
         load = max(x for x in options if times[x] <= best + TIE * abs(best) + 1e-12)
         est = t if measured else (lambda x: None)
@@ -215,6 +226,7 @@ class LoadPlanner:
             ahead_cpu,
             self.predraft_value,
             ready(load) if measured else None,
+            running,
         )
 
 

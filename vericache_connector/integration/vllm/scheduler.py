@@ -230,6 +230,7 @@ class VeriCacheConnectorScheduler:
             drafts_only=self._drafts_only,
         )
         self._steps.append((time.monotonic(), scheduler_output.total_num_scheduled_tokens))
+        self.planner.ran(len(scheduler_output.num_scheduled_tokens))  # a recompute delays each of them
         self._loads.clear()
         self._seeded, self._drafts_only = [], []
         progress: dict[str, tuple[int, list[int] | None]] = {}
