@@ -557,6 +557,20 @@ def save_blocks(conn, views, kv, prefix, block_ids) -> None:
     conn.clear_connector_metadata()
 
 
+def split16_worker(model_dir, url, drafter, seed: int):
+    """A split16 worker whose proposer is `drafter`, with random KV (seed) saved from blocks 0-3 under the stored
+    prefix: (conn, views, kv)."""
+    conn, views = worker(model_dir, url, proposer=True, compressor="split16")
+    conn.draft_handoff.attach(drafter)
+    kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=seed)
+    try:
+        save_blocks(conn, views, kv, PROMPT[:STORED], [0, 1, 2, 3])
+    except BaseException:
+        conn.shutdown()
+        raise
+    return conn, views, kv
+
+
 def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(model_dir, store_url, monkeypatch):
     """With split16 and the proposer, a load fetches the compressed copy (the upper halves: the pre-draft
     starts on them) and then the lower halves, never the full copy, and the blocks hold the saved KV bit
@@ -564,13 +578,10 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
     from vericache_connector.compressors.split16 import COMPLEMENT
     from vericache_connector.integration.vllm import worker as worker_module
 
-    conn, views = worker(model_dir, store_url, proposer=True, compressor="split16")
     drafter = RecordingDrafter()
-    conn.draft_handoff.attach(drafter)
+    conn, views, kv = split16_worker(model_dir, store_url, drafter, seed=5)
     spec = get_compressor("split16").spec
     try:
-        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=5)
-        save_blocks(conn, views, kv, PROMPT[:STORED], [0, 1, 2, 3])
         store, call = conn.worker.client.store, conn.worker.client.call
         wait_for(lambda: call(store.has_compressed(PROMPT[:STORED], spec + COMPLEMENT)))
         streamed = []
@@ -645,12 +656,9 @@ def test_a_split_load_ends_when_its_bytes_are_in_not_when_the_proposers_draft_ca
             self.release.wait(30)
             super().predraft(prompt, prefix_len, compressed, loaded)
 
-    conn, views = worker(model_dir, store_url, proposer=True, compressor="split16")
     drafter = SlowDrafter()
-    conn.draft_handoff.attach(drafter)
+    conn, views, _ = split16_worker(model_dir, store_url, drafter, seed=11)
     try:
-        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=11)
-        save_blocks(conn, views, kv, PROMPT[:STORED], [0, 1, 2, 3])
         store, call = conn.worker.client.store, conn.worker.client.call
         wait_for(lambda: call(store.has_compressed(PROMPT[:STORED], get_compressor("split16").spec + COMPLEMENT)))
         conn.build_connector_worker_meta()  # the saves' bytes are no load's
@@ -724,12 +732,9 @@ def test_a_load_beside_running_requests_streams_the_full_copy(model_dir, store_u
     """vLLM is busy with other requests (the step's metadata is not idle): no pre-draft could run, so a split16
     load streams the full copy (no halves to join and check on the busy cores) and no copy goes to the proposer
     until the full KV is in (then it is cut from it)."""
-    conn, views = worker(model_dir, store_url, proposer=True, compressor="split16")
     drafter = RecordingDrafter()
-    conn.draft_handoff.attach(drafter)
+    conn, views, _ = split16_worker(model_dir, store_url, drafter, seed=9)
     try:
-        kv = random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=9)
-        save_blocks(conn, views, kv, PROMPT[:STORED], [0, 1, 2, 3])
         store, call = conn.worker.client.store, conn.worker.client.call
         wait_for(lambda: call(store.lookup(PROMPT[:STORED])) == STORED)
         conn.draft_handoff.prefixes.clear()
