@@ -270,7 +270,9 @@ class VeriCacheConnectorWorker:
         old = self._compressed_s_per_token
         self._compressed_s_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
 
-    async def _load_split(self, spec: LoadSpec, put, loaded: threading.Event, when: dict, t0: float, posts: list):
+    async def _load_split(
+        self, spec: LoadSpec, put, loaded: threading.Event, when: dict, t0: float, posts: list
+    ) -> bool:
         """split16 with the proposer: the upper halves (posted: the pre-draft starts on them), then the lower
         halves right behind them on the link, each layer joined bit for bit and put as it lands. False where
         there is no compressed copy of exactly this prefix, or a half is missing or does not fit (logged):
