@@ -190,16 +190,12 @@ class CompressedKVProposer:
         """Draft the prompt's continuation on its compressed copy until `loaded` is set."""
         if self.draft is None or (loaded is not None and loaded.is_set()):
             return  # the full copy is in already: vLLM's own steps come next, a pre-draft would only delay them
-        key = (prefix_len, hash(tuple(prompt[:prefix_len])))
+        key = draft_key(prompt, prefix_len)
         with self._lock:
             if key in self._building:
                 return
             self._building.add(key)  # (the request may run before the draft cache is built: _match waits)
-        try:
-            chain = self._new_group(prompt, prefix_len, compressed)
-        finally:
-            with self._lock:
-                self._building.discard(key)
+        chain = self._build(key, prompt, prefix_len, compressed)
         if chain is None or (loaded is not None and loaded.is_set()):
             return  # built too late to pre-draft (a busy CPU): the draft cache stays for drafts after the load
         with self._lock:
@@ -442,7 +438,7 @@ class CompressedKVProposer:
         # not in this call, which vLLM's step waits for; and from the request's second step on, so that the
         # build (and the cut of a Deferred copy) does not take the cores while its first token goes out; and
         # only at a step that may draft (build) at a batch size where its compressed drafts could pay.
-        key = (found[0], hash(tuple(row[: found[0]])))
+        key = draft_key(row, found[0])
         with self._lock:
             if key in self._building:
                 return None
@@ -456,15 +452,16 @@ class CompressedKVProposer:
             del self._sighted[key]
             self._building.add(key)
 
-        def build():
-            try:
-                self._new_group(row, found[0], found[1])
-            finally:
-                with self._lock:
-                    self._building.discard(key)
-
-        threading.Thread(target=build, name="vericache-draft-cache", daemon=True).start()
+        threading.Thread(target=self._build, args=(key, row, *found), name="vericache-draft-cache", daemon=True).start()
         return None
+
+    def _build(self, key, tokens: list[int], prefix_len: int, compressed: CompressedKV | Deferred) -> Chain | None:
+        """_new_group for a draft cache its caller registered in _building (key), released however it ends."""
+        try:
+            return self._new_group(tokens, prefix_len, compressed)
+        finally:
+            with self._lock:
+                self._building.discard(key)
 
     def _new_group(self, tokens: list[int], prefix_len: int, compressed: CompressedKV | Deferred) -> Chain | None:
         room = min(self.max_len - prefix_len, len(tokens) - prefix_len + CACHE_ROOM)
@@ -504,6 +501,11 @@ class CompressedKVProposer:
                 self.stats,
                 self.pacer.describe(),
             )
+
+
+def draft_key(tokens: list[int], n: int) -> tuple[int, int]:
+    """(n, hash of the first n tokens): a draft cache's prefix, as _building and _sighted know it."""
+    return n, hash(tuple(tokens[:n]))
 
 
 def draft_weights(env=None) -> str:
