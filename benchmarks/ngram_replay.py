@@ -33,8 +33,8 @@ def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: i
     """n -> [positions with an n-token match, positions whose first 1..k drafts were all right]."""
     import numpy as np
 
-    from vericache_connector.integration.vllm.chains import common
-    from vericache_connector.integration.vllm.proposer import longest_ngram  # what the proposer asks
+    from vericache_connector.integration.vllm.proposer.chains import common
+    from vericache_connector.integration.vllm.proposer.proposer import longest_ngram  # what the proposer asks
 
     counts: dict[int, list[int]] = {}
     for prompt, output in rows:

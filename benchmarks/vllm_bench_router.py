@@ -24,8 +24,8 @@ import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-VERIFY = "vericache_connector.integration.vllm.verify_route.VerifyRoute"
-GUARD = "vericache_connector.integration.vllm.draft_role.RouterOnly"
+VERIFY = "vericache_connector.vllm_router.VerifyRoute"
+GUARD = "vericache_connector.vllm_router.RouterOnly"
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32
 TOKEN = secrets.token_hex(16)  # the router token of this run (drafter-role servers answer only with it)
 

@@ -1,6 +1,6 @@
 """Stable path for ``kv_connector_module_path`` (vLLM imports it and takes VeriCacheConnector from it):
-the connector lives in vericache_connector.integration.vllm.connector."""
+the connector lives in vericache_connector.integration.vllm.connector.facade."""
 
-from .integration.vllm.connector import VeriCacheConnector
+from .integration.vllm.connector.facade import VeriCacheConnector
 
 __all__ = ["VeriCacheConnector"]

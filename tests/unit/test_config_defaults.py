@@ -18,7 +18,7 @@ def test_store_default_is_query_agnostic():
 
 def test_every_store_config_defaults_to_it():
     from vericache_connector.integration.lmcache.l2_config import L2Settings
-    from vericache_connector.integration.vllm.config import load_connector_config
+    from vericache_connector.integration.vllm.connector.config import load_connector_config
     from vericache_connector.remote.cli_args import add_drafter_args
 
     assert RemoteCacheConfig().compressor == STORE_DEFAULT

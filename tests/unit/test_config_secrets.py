@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vericache_connector.integration.vllm.config import load_connector_config, load_kv_transfer_config
+from vericache_connector.integration.vllm.connector.config import load_connector_config, load_kv_transfer_config
 from vericache_connector.remote import RemoteCacheConfig
 
 SECRET = "s3cr3t-pw"

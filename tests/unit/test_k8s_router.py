@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from vericache_connector.integration.vllm.config import load_kv_transfer_config
+from vericache_connector.integration.vllm.connector.config import load_kv_transfer_config
 
 from k8s_objects import (
     RELEASE,
@@ -28,10 +28,10 @@ from k8s_objects import (
 )
 from paths import K8S
 
-ROUTER_GUARD = "vericache_connector.integration.vllm.draft_role.RouterOnly"
+ROUTER_GUARD = "vericache_connector.vllm_router.RouterOnly"
 
 
-VERIFY_ROUTE = "vericache_connector.integration.vllm.verify_route.VerifyRoute"
+VERIFY_ROUTE = "vericache_connector.vllm_router.VerifyRoute"
 
 
 def router_topologies() -> dict[str, dict]:
@@ -66,7 +66,7 @@ def router_topologies() -> dict[str, dict]:
 @pytest.mark.parametrize("topology", ["plain", "helm"])
 def test_router_pools_verifier_beside_the_store_drafters_elsewhere(topology):
     from vericache_connector.compressors import GROUPS, get_compressor
-    from vericache_connector.integration.vllm.config import connector_role
+    from vericache_connector.integration.vllm.connector.config import connector_role
 
     t = router_topologies()[topology]
     redis_labels = pod_labels(t["redis"])

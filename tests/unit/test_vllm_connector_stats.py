@@ -22,7 +22,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm  # noqa: E402
 
 from storage_backends import DualCopyStore, Manifest, MissingObject, StoreUnavailable  # noqa: E402
-from vericache_connector.integration.vllm import stats as S  # noqa: E402
+from vericache_connector.integration.vllm.connector import stats as S  # noqa: E402
 from vericache_connector.remote import RemoteCacheConfig, StoreClient  # noqa: E402
 from vericache_connector.vllm_connector import VeriCacheConnector  # noqa: E402
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vericache_connector.integration.vllm.paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens
+from vericache_connector.integration.vllm.connector.paged_layout import (
+    gather_tokens,
+    kv_views,
+    layer_index,
+    scatter_tokens,
+)
 
 BLOCKS, H, BS, D = 7, 3, 16, 8
 

@@ -21,10 +21,10 @@ from fake_vllm_model import FakeVLLMLlama, hf_config  # noqa: E402
 from vericache_connector.compressors import get_compressor  # noqa: E402
 from vericache_connector.engine import DecodeConfig  # noqa: E402
 from vericache_connector.engine.planner import AcceptanceEstimate  # noqa: E402
-from vericache_connector.integration.vllm import proposer as P  # noqa: E402
-from vericache_connector.integration.vllm.draft_model import DraftModel  # noqa: E402
 from vericache_connector.integration.vllm.handoff import Deferred, DraftHandoff, row_key  # noqa: E402
-from vericache_connector.integration.vllm.pacing import DraftPacer  # noqa: E402
+from vericache_connector.integration.vllm.proposer import proposer as P  # noqa: E402
+from vericache_connector.integration.vllm.proposer.draft_model import DraftModel  # noqa: E402
+from vericache_connector.integration.vllm.proposer.pacing import DraftPacer  # noqa: E402
 
 from tiny_model import tiny_engine  # noqa: E402
 
@@ -84,7 +84,7 @@ def test_bfloat16_draft_weights_are_opt_in_and_draft_like_the_model(setup, monke
     the model's and pick the same tokens; the default is the model's own modules; a bad value is a ValueError."""
     from vllm import _custom_ops as ops
 
-    from vericache_connector.integration.vllm.draft_model import Bf16Linear
+    from vericache_connector.integration.vllm.proposer.draft_model import Bf16Linear
 
     assert P.draft_weights({}) == "model" and P.draft_weights({P.DRAFT_WEIGHTS_ENV: "bfloat16"}) == "bfloat16"
     with pytest.raises(ValueError, match="'int4'"):
@@ -494,7 +494,7 @@ def test_the_worth_of_a_second_of_pre_drafting_is_measured():
 def test_the_batch_switch_keeps_drafting_only_where_it_measurably_raises_the_output():
     """Per batch size, tokens per second of steps with drafts against steps without: alternating runs until
     both are measured, then the winner, with short runs of the other arm to notice a change."""
-    from vericache_connector.integration.vllm.pacing import BatchSwitch
+    from vericache_connector.integration.vllm.proposer.pacing import BatchSwitch
 
     sw = BatchSwitch()
     first = [sw.allows(1) for _ in range(16)]

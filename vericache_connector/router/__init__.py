@@ -1,6 +1,6 @@
 """`vericache router`: an OpenAI-compatible front of stock vLLM servers, drafts from drafter-role servers
-(integration/vllm/draft_role.py) verified by a verifier server beside the store
-(integration/vllm/verify_route.py).
+(integration/vllm/connector/drafter.py) verified by a verifier server beside the store
+(integration/vllm/router_plugins.py).
 
 config.py (RouterConfig, its command-line options, the router token), server.py (the HTTP service:
 requests in, OpenAI answers out), decode.py (RoutedDecode: one request's draft / verify loop), upstream.py

@@ -1,7 +1,7 @@
 """`vericache router` settings and command-line options (kept apart from the server, so that building the
 parser imports neither aiohttp nor torch), and the one secret of the router topology: the router token.
 
-The token is what a drafter-role vLLM server demands of every request (integration/vllm/draft_role.py:
+The token is what a drafter-role vLLM server demands of every request (integration/vllm/connector/drafter.py:
 its output is drafts, never answers, so only the router may call it) and what the router sends its
 upstream servers as a Bearer token (a verifier started with VLLM_API_KEY set to it checks it too). It is
 read from $VERICACHE_ROUTER_TOKEN_FILE (a mounted Secret) or $VERICACHE_ROUTER_TOKEN, never from a
@@ -111,7 +111,7 @@ def add_router_args(p) -> None:
         "--verifier",
         action="append",
         required=True,
-        help="a verifier vLLM server (connector beside the store, --middleware ...verify_route.VerifyRoute), "
+        help="a verifier vLLM server (connector beside the store, --middleware vericache_connector.vllm_router.VerifyRoute), "
         "http://HOST:PORT; repeat for a pool",
     )
     p.add_argument(

@@ -3,7 +3,7 @@
   stream()    POST /v1/completions with stream=true and token ids in: the token ids of each chunk as it
               comes (a drafter's drafts; a verifier's plain decoding)
   verify()    one verify call: the verifier's greedy token after prompt + drafts[:j], j = 0..k, from one
-              forward: POST /v1/vericache/verify (integration/vllm/verify_route.py: prompt KV from vLLM's
+              forward: POST /v1/vericache/verify (integration/vllm/router_plugins.py: prompt KV from vLLM's
               prefix cache or the connector), or with --verify-api prompt-logprobs the plain OpenAI API
               (/v1/completions, prompt_logprobs=1: vLLM prefills the whole sequence on every call)
   tokenize()  POST /tokenize on a verifier: its own tokenization and chat template, so that the router's

@@ -104,7 +104,7 @@ def test_another_models_manifest_under_our_key_is_a_logged_miss(checkpoints, mem
 
 @pytest.mark.skipif(not has_module("vllm"), reason="vllm is not installed")
 def test_vllm_connector_names_models_as_the_engine_does(checkpoints):
-    from vericache_connector.integration.vllm.connector import model_name_of
+    from vericache_connector.integration.vllm.connector.facade import model_name_of
 
     def vllm_config(model, revision=None, hf_config=None):
         mc = SimpleNamespace(model=model, dtype=torch.float32, revision=revision, hf_config=hf_config)

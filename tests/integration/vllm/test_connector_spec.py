@@ -25,11 +25,12 @@ def store_url():
 @pytest.mark.parametrize("extra", [{"compressor": "int8"}, {"compressor": "kivi4", "role": "drafter"}])
 def test_each_half_is_built_from_one_spec_with_the_compressor_parsed_once(model_dir, store_url, monkeypatch, extra):
     from vericache_connector import compressors
-    from vericache_connector.integration.vllm import draft_role
+    from vericache_connector.integration.vllm.connector import config as vconfig
+    from vericache_connector.integration.vllm.router_plugins import GUARD
     from vericache_connector.vllm_connector import VeriCacheConnector
 
     monkeypatch.setenv("VERICACHE_ROUTER_TOKEN", "router-token-0123456789abcdef")  # the drafter role's checks
-    monkeypatch.setattr(draft_role, "_command_lines", lambda: [f"vllm serve m --middleware {draft_role.GUARD}"])
+    monkeypatch.setattr(vconfig, "_command_lines", lambda: [f"vllm serve m --middleware {GUARD}"])
     parse, parsed = compressors.compressor_class, []
     monkeypatch.setattr(compressors, "compressor_class", lambda name: parsed.append(name) or parse(name))
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):

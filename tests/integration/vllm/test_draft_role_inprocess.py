@@ -17,9 +17,11 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from storage_backends import DualCopyStore  # noqa: E402
 from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
-from vericache_connector.integration.vllm import draft_role  # noqa: E402
-from vericache_connector.integration.vllm.metadata import LoadSpec, VeriCacheMetadata  # noqa: E402
-from vericache_connector.integration.vllm.paged_layout import gather_tokens, kv_views  # noqa: E402
+from vericache_connector.integration.vllm.connector import config as vconfig  # noqa: E402
+from vericache_connector.integration.vllm.connector import drafter  # noqa: E402
+from vericache_connector.integration.vllm.connector.metadata import LoadSpec, VeriCacheMetadata  # noqa: E402
+from vericache_connector.integration.vllm.connector.paged_layout import gather_tokens, kv_views  # noqa: E402
+from vericache_connector.integration.vllm.router_plugins import GUARD  # noqa: E402
 
 from stores import drop_memory_store, random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
@@ -40,7 +42,7 @@ def store_model() -> str:
 def store_url(monkeypatch):
     """A memory store, and a process that passes the drafter role's start-up checks (token, guard)."""
     monkeypatch.setenv("VERICACHE_ROUTER_TOKEN", "router-token-0123456789abcdef")
-    monkeypatch.setattr(draft_role, "_command_lines", lambda: [f"vllm serve m --middleware {draft_role.GUARD}"])
+    monkeypatch.setattr(vconfig, "_command_lines", lambda: [f"vllm serve m --middleware {GUARD}"])
     name = f"drafter{time.monotonic_ns()}"
     yield f"local://{name}"
     drop_memory_store(name)
@@ -63,7 +65,7 @@ def drafter_config(model_dir, url):
 def test_drafter_scheduler_loads_compressed_copies_only_and_never_saves(model_dir, store_url, compressed):
     asyncio.run(_seed(store_url, PROMPT[:STORED], compressed))
     sched = create_scheduler(drafter_config(model_dir, store_url))
-    assert isinstance(sched.connector.scheduler, draft_role.DrafterScheduler)
+    assert isinstance(sched.connector.scheduler, drafter.DrafterScheduler)
     req = create_request(PROMPT + [7] * 300)  # longer than the stored prefix: the shorter copy is found
     sched.add_request(req)
     so = sched.schedule()
@@ -90,7 +92,7 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
 
     conn = VeriCacheConnector(drafter_config(model_dir, store_url), KVConnectorRole.WORKER, None)
     try:
-        assert isinstance(conn.worker, draft_role.DrafterWorker) and conn.draft_handoff is None
+        assert isinstance(conn.worker, drafter.DrafterWorker) and conn.draft_handoff is None
         caches = {
             f"model.layers.{i}.self_attn.attn": torch.zeros(10, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
         }

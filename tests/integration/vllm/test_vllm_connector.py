@@ -256,7 +256,7 @@ def test_store_on_redis_then_down(model_dir, prompts, reference):
 
 
 def test_config_errors_name_the_value():
-    from vericache_connector.integration.vllm.config import load_connector_config
+    from vericache_connector.integration.vllm.connector.config import load_connector_config
 
     with pytest.raises(ValueError, match="nope"):
         load_connector_config({"compressor": "nope"})

@@ -20,11 +20,11 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from storage_backends import DualCopyStore  # noqa: E402
 from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
-from vericache_connector.integration.vllm.config import PROPOSER_CLASS  # noqa: E402
+from vericache_connector.integration.vllm.connector.config import PROPOSER_CLASS  # noqa: E402
+from vericache_connector.integration.vllm.connector.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
+from vericache_connector.integration.vllm.connector.paged_layout import kv_views, scatter_tokens  # noqa: E402
+from vericache_connector.integration.vllm.connector.stats import VeriCacheStats  # noqa: E402
 from vericache_connector.integration.vllm.handoff import Deferred  # noqa: E402
-from vericache_connector.integration.vllm.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
-from vericache_connector.integration.vllm.paged_layout import kv_views, scatter_tokens  # noqa: E402
-from vericache_connector.integration.vllm.stats import VeriCacheStats  # noqa: E402
 
 from stores import break_manifest, closed_port, corrupt_full_chunk, drop_memory_store, random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
@@ -187,7 +187,7 @@ def test_a_partly_loaded_prefix_is_not_saved_again_by_its_twin(model_dir, store_
     load); a second on the same document then finds all of it in vLLM's cache. The store holds the document
     whole: neither writes it again (each such save rewrote the document's 82 MB on the served-load
     benchmark's CPU, beside vLLM's steps)."""
-    from vericache_connector.integration.vllm import load_plan
+    from vericache_connector.integration.vllm.connector import load_plan
 
     asyncio.run(_seed(store_url, PROMPT[:STORED]))
     sched = create_scheduler(
@@ -231,7 +231,7 @@ def test_a_third_request_waits_for_the_first_loads_measure_of_the_link(model_dir
     """Three stored documents in one step on a fresh server: the first loads, the second is computed (the
     queues, nothing measured), the third waits (None: vLLM asks again) for the link's first measure instead of
     guessing, and then loads over this fast link (a verifier beside the store recomputed such requests)."""
-    from vericache_connector.integration.vllm.metadata import VeriCacheWorkerMeta
+    from vericache_connector.integration.vllm.connector.metadata import VeriCacheWorkerMeta
 
     docs = [PROMPT] + [[k * 10_000 + t for t in range(len(PROMPT))] for k in (2, 3)]
     for d in docs:
@@ -265,7 +265,7 @@ def test_the_prefill_rate_is_fitted_on_the_forward_the_worker_timed(model_dir, s
     """A step's time from build_connector_meta to its output includes a proposer's drafting after the forward
     (seconds per step that read as prefill cost: 100 tok/s of prefill in a served run where vLLM did 500+).
     The worker times the forward alone (metadata bound to worker meta asked) and the fit uses that."""
-    from vericache_connector.integration.vllm.metadata import VeriCacheWorkerMeta
+    from vericache_connector.integration.vllm.connector.metadata import VeriCacheWorkerMeta
 
     sched = create_scheduler(vllm_config(model_dir, store_url))
     conn = sched.connector.scheduler
@@ -392,7 +392,7 @@ def worker(model_dir, url, proposer: bool = False, compressor: str = "int8", dty
 
 
 def blocks_kv(views, block_ids, n):
-    from vericache_connector.integration.vllm.paged_layout import gather_tokens
+    from vericache_connector.integration.vllm.connector.paged_layout import gather_tokens
 
     ids = torch.tensor(block_ids)
     return [(gather_tokens(k, ids, n), gather_tokens(v, ids, n)) for k, v in views]
@@ -465,7 +465,7 @@ def test_a_step_without_a_forward_waits_for_the_load_instead_of_spinning(model_d
     """vLLM runs steps back to back while every request waits for its KV; such a step (metadata idle) waits
     up to IDLE_WAIT_S for a load to end instead of answering at once (each answer takes the worker's GIL
     and a core from the load and the pre-draft); the load's end wakes it; a step with a forward never waits."""
-    from vericache_connector.integration.vllm import worker as worker_module
+    from vericache_connector.integration.vllm.connector import worker as worker_module
 
     sched = create_scheduler(vllm_config(model_dir, store_url))
     req = create_request(PROMPT)
@@ -576,7 +576,7 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
     starts on them) and then the lower halves, never the full copy, and the blocks hold the saved KV bit
     for bit. Without the lower halves (or with ones of other KV) the full copy is streamed instead."""
     from vericache_connector.compressors.split16 import COMPLEMENT
-    from vericache_connector.integration.vllm import worker as worker_module
+    from vericache_connector.integration.vllm.connector import worker as worker_module
 
     drafter = RecordingDrafter()
     conn, views, kv = split16_worker(model_dir, store_url, drafter, seed=5)

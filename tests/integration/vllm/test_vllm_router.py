@@ -28,8 +28,8 @@ from vllm_server import ServerConfig, VLLMServer, post_json  # noqa: E402
 
 TOKEN = "router-token-for-tests-0123456789"
 NEW = 24
-GUARD = "vericache_connector.integration.vllm.draft_role.RouterOnly"
-VERIFY = "vericache_connector.integration.vllm.verify_route.VerifyRoute"
+GUARD = "vericache_connector.vllm_router.RouterOnly"
+VERIFY = "vericache_connector.vllm_router.VerifyRoute"
 
 
 def cores() -> tuple[str, str]:
@@ -252,17 +252,18 @@ def test_a_drafter_role_server_answers_only_the_router(servers):
 
 
 def test_the_drafter_role_refuses_what_would_let_lossy_output_out(monkeypatch):
-    from vericache_connector.integration.vllm import draft_role
+    from vericache_connector.integration.vllm.connector import config as vconfig
+    from vericache_connector.integration.vllm.router_plugins import GUARD
 
     monkeypatch.setenv("VERICACHE_ROUTER_TOKEN", TOKEN)
     with pytest.raises(ValueError, match="keeps every token.*'snapkv-4x' drops tokens"):
-        draft_role.check_server("snapkv-4x", False)
-    with pytest.raises(ValueError, match="--middleware " + re.escape(draft_role.GUARD)):
-        draft_role.check_server("kivi4", False)  # this process's command line names no guard
-    monkeypatch.setattr(draft_role, "_command_lines", lambda: [f"vllm serve m --middleware {draft_role.GUARD}"])
-    draft_role.check_server("kivi4", False)
+        vconfig.check_drafter_server("snapkv-4x", False)
+    with pytest.raises(ValueError, match="--middleware " + re.escape(GUARD)):
+        vconfig.check_drafter_server("kivi4", False)  # this process's command line names no guard
+    monkeypatch.setattr(vconfig, "_command_lines", lambda: [f"vllm serve m --middleware {GUARD}"])
+    vconfig.check_drafter_server("kivi4", False)
     with pytest.raises(ValueError, match="proposer"):
-        draft_role.check_server("int8", True)
+        vconfig.check_drafter_server("int8", True)
     monkeypatch.delenv("VERICACHE_ROUTER_TOKEN")
     with pytest.raises(ValueError, match="no router token"):
-        draft_role.check_server("kivi4", False)
+        vconfig.check_drafter_server("kivi4", False)

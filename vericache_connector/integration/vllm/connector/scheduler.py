@@ -31,9 +31,9 @@ from vllm.logger import init_logger
 
 from storage_backends import stored_prefix_len
 
-from ...store.client import StoreClient
+from ....store.client import StoreClient
+from ..handoff import row_key
 from .config import ConnectorSpec
-from .handoff import row_key
 from .load_plan import PROBE_WAIT_S, LoadPlanner
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
 from .stats import StatsRecorder

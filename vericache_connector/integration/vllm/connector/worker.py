@@ -25,12 +25,12 @@ import time
 import torch
 from vllm.logger import init_logger
 
-from ...compressors import LayeredKV, PrefixKV
-from ...compressors.split16 import COMPLEMENT, Split16Compressor, digest
-from ...store.client import StoreClient
-from ...store.full_copy import stream_full_copy
+from ....compressors import LayeredKV, PrefixKV
+from ....compressors.split16 import COMPLEMENT, Split16Compressor, digest
+from ....store.client import StoreClient
+from ....store.full_copy import stream_full_copy
+from ..handoff import Deferred, DraftHandoff
 from .config import ConnectorSpec
-from .handoff import Deferred, DraftHandoff
 from .load_plan import LinkMeter
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
 from .paged_layout import gather_tokens, kv_views, layer_index, scatter_tokens

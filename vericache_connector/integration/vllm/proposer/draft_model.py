@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ...model.causal_lm import CausalLM, ModelConfig, apply_rope
-from ...model.kv_cache import RowCache
+from ....model.causal_lm import CausalLM, ModelConfig, apply_rope
+from ....model.kv_cache import RowCache
 
 Tensor = torch.Tensor
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine.planner import AcceptanceEstimate
-from ...model.kv_cache import RowCache
+from ....engine.planner import AcceptanceEstimate
+from ....model.kv_cache import RowCache
 
 MAX_BRANCHES = 4  # chains per request (each holds a copy of the draft cache)
 BRANCH_P = 0.15  # a branch's path probability (under the draft model) must be at least this

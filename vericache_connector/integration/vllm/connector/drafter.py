@@ -1,119 +1,30 @@
-"""The connector's drafter role: a vLLM server whose output is DRAFTS, never answers.
-
-    VERICACHE_ROUTER_TOKEN_FILE=/run/secrets/router/token python -m vllm.entrypoints.openai.api_server \\
-      --model MODEL --served-model-name smollm2-drafts \\
-      --middleware vericache_connector.integration.vllm.draft_role.RouterOnly \\
-      --kv-transfer-config '{"kv_connector": "VeriCacheConnector", ..., "kv_connector_extra_config":
-                             {"store": "redis://...", "compressor": "kivi4", "role": "drafter"}}'
+"""The connector's drafter role ("role": "drafter"): a vLLM server whose output is DRAFTS, never answers.
 
 A drafter-role server sits far from the store (slow link). For a prompt with a stored prefix it loads ONLY
 the compressed copy, decodes it (a quantizer's copy holds every token: its dequantized K/V take the place
 of the full KV in vLLM's own blocks) and decodes on it at vLLM speed; it never reads the full copy and never
 writes to the store (its KV is lossy). `vericache router` checks what it drafts against a verifier server
-beside the store, so what a user sees is the verifier's output.
-
-Lossy output must not reach a user by mistake, so the server answers only the router:
-  RouterOnly   an ASGI middleware (vLLM's --middleware) that refuses every request without the router token
-               as a Bearer token, except GET /health, /ping, /metrics and /version. A middleware, not vLLM's
-               --api-key: --api-key guards only /v1, /v2, /inference and /cohere, and vLLM 0.32 also
-               generates on /invocations (SageMaker) and /generative_scoring, outside them.
-  check_server the connector refuses to start in this role unless the router token is set and the
-               server's command line names RouterOnly, and unless the compressor keeps every token
-               (token-dropping copies have no K/V for the dropped positions to put into vLLM's blocks).
+beside the store, so what a user sees is the verifier's output. Lossy output must not reach a user by
+mistake: config.check_drafter_server refuses to start such a server unless the router token is set, its
+command line names the RouterOnly middleware (router_plugins.py) and the compressor keeps every token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import os
 import time
 
 import torch
 from vllm.logger import init_logger
 
-from ...compressors import GROUPS, Compressor, LayeredKV, get_compressor
-from ...router.config import router_token
+from ....compressors import LayeredKV
 from .metadata import LoadSpec, VeriCacheMetadata
 from .paged_layout import scatter_tokens
 from .scheduler import VeriCacheConnectorScheduler, connector_off
 from .worker import VeriCacheConnectorWorker
 
 logger = init_logger("vllm.vericache")
-GUARD = "vericache_connector.integration.vllm.draft_role.RouterOnly"
-OPEN_PATHS = ("/health", "/ping", "/metrics", "/version")  # GET/HEAD: nothing the model generated
 MAX_CANDIDATES = 32  # chunk-aligned prefixes tried per lookup, longest first
-REFUSED = (
-    b'{"error": {"message": "this vLLM server runs the VeriCache connector in the drafter role: its output is '
-    b'drafts, never answers; only vericache router may call it", "type": "Forbidden", "code": 403}}'
-)
-
-
-def keeps_every_token(compressor: Compressor) -> bool:
-    """A quantizer's copy (kivi, int8, fp8, turboquant, ...) holds every token; token dropping does not."""
-    quantizers = next(names for names in GROUPS.values() if "kivi" in names)
-    return compressor.name in quantizers
-
-
-def check_server(compressor: Compressor | str, runs_proposer: bool, name: str | None = None) -> None:
-    """What a drafter-role server must have before it serves: ValueError naming what is missing.
-    `compressor`: the resolved compressor (`name`: its spec as configured, for the errors), or that spec."""
-    name = compressor if isinstance(compressor, str) else name or compressor.spec
-    if not keeps_every_token(get_compressor(compressor)):  # a resolved compressor is used as it is
-        raise ValueError(
-            f"the drafter role needs a compressor that keeps every token (a quantizer: kivi4, int8, fp8, "
-            f"turboquant-k4v3, ...): {name!r} drops tokens, whose K/V vLLM's blocks would then lack"
-        )
-    if runs_proposer:
-        raise ValueError("the drafter role does not run the compressed-KV proposer: drop --speculative-config")
-    router_token()  # ValueError when missing: the guard below would refuse every request
-    if not any(GUARD in line for line in _command_lines()):
-        raise ValueError(
-            f"a drafter-role server answers only the router: start it with --middleware {GUARD} "
-            f"(on the command line), so that requests without the router token are refused"
-        )
-
-
-def _command_lines(depth: int = 4) -> list[str]:
-    """This process's command line and its parents' (vLLM's engine core runs in a child of the API server)."""
-    lines, pid = [], os.getpid()
-    for _ in range(depth):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                lines.append(f.read().replace(b"\0", b" ").decode("utf-8", "replace"))
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        if pid <= 1:
-            break
-    return lines
-
-
-class RouterOnly:
-    """ASGI middleware: every request needs `Authorization: Bearer <router token>`, except GET/HEAD of
-    OPEN_PATHS; others get a 403 (deny by default: new vLLM endpoints are covered too)."""
-
-    def __init__(self, app):
-        self.app = app
-        self._digest = hashlib.sha256(router_token()).digest()  # no token: the server does not start
-
-    def _allowed(self, scope) -> bool:
-        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "")
-        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and path in OPEN_PATHS:
-            return True
-        auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
-            return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":
-            return await send({"type": "websocket.close", "code": 1008})
-        await send({"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": REFUSED})
 
 
 class DrafterScheduler(VeriCacheConnectorScheduler):

@@ -39,7 +39,7 @@ import statistics
 import threading
 import time
 
-from ...engine.planner import AcceptanceEstimate, expected_tokens
+from ....engine.planner import AcceptanceEstimate, expected_tokens
 
 MARGIN = 0.05  # drafting must promise this much more throughput than plain decoding
 ALPHA_PRIOR = 0.8  # per-draft acceptance before a request has been verified

@@ -6,7 +6,7 @@
                            "kv_connector_extra_config": {"store": "redis://redis:6379/0", "compressor": "kivi4"}}'
 
 "role" picks what the server is: "serve" (the default: loads the full copy, saves both copies; also the
-verifier beside the store) or "drafter" (draft_role.py: loads ONLY compressed copies, decoded into its
+verifier beside the store) or "drafter" (drafter.py: loads ONLY compressed copies, decoded into its
 own blocks, never the full copy, and saves nothing: what it generates are drafts, never answers, and it
 answers only `vericache router`). Every key may be left out; the store URL and the compressor then come from the environment
 (VERICACHE_STORE_URL, VERICACHE_COMPRESSOR: a Kubernetes Secret keeps credentials out of the pod's
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ...store.config import RemoteCacheConfig
+from ....store.config import RemoteCacheConfig
 
 if TYPE_CHECKING:
-    from ...compressors import Compressor
+    from ....compressors import Compressor
 
 CONNECTOR_MODULE = "vericache_connector.vllm_connector"  # kv_connector_module_path (a stable re-export)
 PROPOSER_CLASS = "vericache_connector.vllm_proposer.CompressedKVProposer"  # speculative "model" (re-export)
@@ -78,9 +78,7 @@ def connector_spec(vllm_config) -> ConnectorSpec:
     cfg, compressor, role = _resolve(vllm_config.kv_transfer_config.kv_connector_extra_config)
     proposer = runs_our_proposer(vllm_config)
     if role == "drafter":
-        from . import draft_role  # imports vLLM: only where a connector is built
-
-        draft_role.check_server(compressor, proposer, cfg.compressor)
+        check_drafter_server(compressor, proposer, cfg.compressor)
     block_size = vllm_config.cache_config.block_size
     if cfg.chunk_size % block_size:
         raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of vLLM's block size {block_size}")
@@ -102,6 +100,53 @@ def connector_spec(vllm_config) -> ConnectorSpec:
     )
 
 
+def keeps_every_token(compressor: Compressor) -> bool:
+    """A quantizer's copy (kivi, int8, fp8, turboquant, ...) holds every token; token dropping does not."""
+    from ....compressors import GROUPS
+
+    quantizers = next(names for names in GROUPS.values() if "kivi" in names)
+    return compressor.name in quantizers
+
+
+def check_drafter_server(compressor: Compressor | str, runs_proposer: bool, name: str | None = None) -> None:
+    """What a drafter-role server must have before it serves: ValueError naming what is missing.
+    `compressor`: the resolved compressor (`name`: its spec as configured, for the errors), or that spec."""
+    from ....compressors import get_compressor
+    from ....router.config import router_token
+    from ..router_plugins import GUARD
+
+    name = compressor if isinstance(compressor, str) else name or compressor.spec
+    if not keeps_every_token(get_compressor(compressor)):  # a resolved compressor is used as it is
+        raise ValueError(
+            f"the drafter role needs a compressor that keeps every token (a quantizer: kivi4, int8, fp8, "
+            f"turboquant-k4v3, ...): {name!r} drops tokens, whose K/V vLLM's blocks would then lack"
+        )
+    if runs_proposer:
+        raise ValueError("the drafter role does not run the compressed-KV proposer: drop --speculative-config")
+    router_token()  # ValueError when missing: the guard below would refuse every request
+    if not any(GUARD in line for line in _command_lines()):
+        raise ValueError(
+            f"a drafter-role server answers only the router: start it with --middleware {GUARD} "
+            f"(on the command line), so that requests without the router token are refused"
+        )
+
+
+def _command_lines(depth: int = 4) -> list[str]:
+    """This process's command line and its parents' (vLLM's engine core runs in a child of the API server)."""
+    lines, pid = [], os.getpid()
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                lines.append(f.read().replace(b"\0", b" ").decode("utf-8", "replace"))
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 1:
+            break
+    return lines
+
+
 def runs_our_proposer(vllm_config) -> bool:
     spec = getattr(vllm_config, "speculative_config", None)
     return spec is not None and getattr(spec, "method", None) == "custom_class" and spec.model == PROPOSER_CLASS
@@ -115,7 +160,7 @@ def model_name_of(vllm_config, configured: str | None) -> str:
     fingerprint of vLLM's config dict, the revision and the dtype."""
     if configured:
         return configured
-    from ...model.loader import config_identity, model_identity
+    from ....model.loader import config_identity, model_identity
 
     mc = vllm_config.model_config
     model, revision = str(mc.model), getattr(mc, "revision", None)
@@ -174,7 +219,7 @@ def _resolve(
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be a string, got a {type(value).__name__}")
         fields[name] = kind(value)
     cfg = RemoteCacheConfig(**fields)
-    from ...compressors import get_compressor
+    from ....compressors import get_compressor
 
     return cfg, get_compressor(cfg.compressor), role  # ValueError naming an unknown compressor
 

@@ -49,11 +49,11 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from ...compressors import CompressedKV
-from ...draft import DraftConfig, make_draft_cache
+from ....compressors import CompressedKV
+from ....draft import DraftConfig, make_draft_cache
+from ..handoff import Deferred, DraftHandoff, find_handoff, materialize
 from .chains import BRANCH_P, MAX_BRANCHES, Chain, Group, common
 from .draft_model import DraftModel, UnsupportedModel
-from .handoff import Deferred, DraftHandoff, find_handoff, materialize
 from .pacing import BatchSwitch, DraftPacer, TargetGate, new_estimate
 from .rows import RowTracker
 

@@ -1,7 +1,20 @@
-"""The verifier's side of `vericache router`: POST /v1/vericache/verify on a vLLM server beside the store.
+"""The plug-ins of `vericache router`'s vLLM servers: two ASGI middlewares that vLLM's --middleware loads
+(stable path: vericache_connector.vllm_router).
+
+RouterOnly, on a DRAFTER-role server (connector/drafter.py: it loads only compressed copies, so its output is
+drafts, never answers), refuses every request without the router token as a Bearer token, except GET /health,
+/ping, /metrics and /version. A middleware, not vLLM's --api-key: --api-key guards only /v1, /v2, /inference
+and /cohere, and vLLM 0.32 also generates on /invocations (SageMaker) and /generative_scoring, outside them.
+
+    VERICACHE_ROUTER_TOKEN_FILE=/run/secrets/router/token python -m vllm.entrypoints.openai.api_server \\
+      --model MODEL --served-model-name smollm2-drafts --middleware vericache_connector.vllm_router.RouterOnly \\
+      --kv-transfer-config '{"kv_connector": "VeriCacheConnector", ..., "kv_connector_extra_config":
+                             {"store": "redis://...", "compressor": "kivi4", "role": "drafter"}}'
+
+VerifyRoute, on the VERIFIER server beside the store, adds POST /v1/vericache/verify:
 
     python -m vllm.entrypoints.openai.api_server --model MODEL --enable-prefix-caching \\
-      --middleware vericache_connector.integration.vllm.verify_route.VerifyRoute \\
+      --middleware vericache_connector.vllm_router.VerifyRoute \\
       --kv-transfer-config '{"kv_connector": "VeriCacheConnector", ...}'      # the connector's normal role
 
 Body {"prompt": [ids], "drafts": [ids]} -> {"best": [k + 1 ids], "cached": n}: best[j] is this server's greedy
@@ -25,16 +38,51 @@ adds ASGI middleware, not routes: this one adds the route to the app the first t
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import time
 import uuid
 
+from ...router.config import router_token
+
 ROUTE = "/v1/vericache/verify"
-MIDDLEWARE = "vericache_connector.integration.vllm.verify_route.VerifyRoute"
+MIDDLEWARE = "vericache_connector.vllm_router.VerifyRoute"
+GUARD = "vericache_connector.vllm_router.RouterOnly"
+OPEN_PATHS = ("/health", "/ping", "/metrics", "/version")  # GET/HEAD: nothing the model generated
+REFUSED = (
+    b'{"error": {"message": "this vLLM server runs the VeriCache connector in the drafter role: its output is '
+    b'drafts, never answers; only vericache router may call it", "type": "Forbidden", "code": 403}}'
+)
 MAX_DRAFTS = 256
 MAX_BODY_BYTES = 4 << 20
 logger = logging.getLogger("vllm.vericache")
+
+
+class RouterOnly:
+    """ASGI middleware: every request needs `Authorization: Bearer <router token>`, except GET/HEAD of
+    OPEN_PATHS; others get a 403 (deny by default: new vLLM endpoints are covered too)."""
+
+    def __init__(self, app):
+        self.app = app
+        self._digest = hashlib.sha256(router_token()).digest()  # no token: the server does not start
+
+    def _allowed(self, scope) -> bool:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "")
+        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and path in OPEN_PATHS:
+            return True
+        auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        await send({"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": REFUSED})
 
 
 class VerifyRoute:

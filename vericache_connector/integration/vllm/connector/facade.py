@@ -12,7 +12,7 @@ model name, role) the half for that role is built from, and every call is forwar
   worker.py     VeriCacheConnectorWorker: copies between vLLM's blocks and the store;
   handoff.py    DraftHandoff: compressed copies for the proposer (proposer.py), created here for the
                 worker role when the speculative config names our proposer.
-  draft_role.py the drafter role ("role": "drafter"): compressed copies only, never the full copy, no
+  drafter.py    the drafter role ("role": "drafter"): compressed copies only, never the full copy, no
                 saves; its output is drafts for `vericache router`, which alone may call it.
 Anything that goes wrong on a load is reported through get_block_ids_with_load_errors and vLLM
 recomputes those blocks: a store fault never fails a request, and never changes its output.
@@ -28,10 +28,10 @@ from vllm.logger import init_logger
 
 from storage_backends import redact_url
 
-from ...store.client import StoreClient
-from . import draft_role
+from ....store.client import StoreClient
+from ..handoff import DraftHandoff
+from . import drafter
 from .config import connector_spec, model_name_of  # noqa: F401 - model_name_of: re-exported
-from .handoff import DraftHandoff
 from .metadata import VeriCacheMetadata
 from .scheduler import VeriCacheConnectorScheduler
 from .stats import VeriCacheStats, register_name
@@ -58,7 +58,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self.draft_handoff: DraftHandoff | None = None
         scheduler_cls, worker_cls = VeriCacheConnectorScheduler, VeriCacheConnectorWorker
         if spec.drafter:
-            scheduler_cls, worker_cls = draft_role.DrafterScheduler, draft_role.DrafterWorker
+            scheduler_cls, worker_cls = drafter.DrafterScheduler, drafter.DrafterWorker
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = scheduler_cls(spec, client)
         else:
