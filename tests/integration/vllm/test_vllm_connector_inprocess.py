@@ -526,8 +526,11 @@ def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
 class RecordingDrafter:
     """Stands in for the proposer on the handoff: records the compressed copies it is given to pre-draft."""
 
+    attached = True
+
     def __init__(self):
         self.got, self.window = [], True
+        self.pacing = self  # it answers the worker's pacing questions too
 
     def worth_predraft(self, compressed_s, max_new) -> bool:
         return True

@@ -34,7 +34,11 @@ def row_key(prompt: list[int]) -> tuple[int, int]:
     return n, hash(tuple(prompt[:n]))
 
 
-class Drafter(Protocol):
+class Pacing(Protocol):
+    """What the connector's worker asks the proposer before and during a load: the one object it asks."""
+
+    attached: bool  # a proposer is attached (drafts on compressed copies can happen)
+
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool: ...
 
     def predraft_value(self) -> float | None: ...
@@ -42,6 +46,29 @@ class Drafter(Protocol):
     def worth_predraft_during(self, seconds: float) -> bool: ...
 
     def drafts_could_pay(self, batch: int | None = None) -> bool: ...
+
+
+class NoProposer:
+    """The answers while no proposer is attached (it attaches after the connector is built, or never): fetch a
+    compressed copy whenever one could help a proposer later, promise no pre-draft, value nothing."""
+
+    attached = False
+
+    def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
+        return True
+
+    def predraft_value(self) -> float | None:
+        return None
+
+    def worth_predraft_during(self, seconds: float) -> bool:
+        return False
+
+    def drafts_could_pay(self, batch: int | None = None) -> bool:
+        return True
+
+
+class Drafter(Protocol):
+    pacing: Pacing
 
     def predraft(
         self, prompt: list[int], prefix_len: int, compressed: CompressedKV, loaded: threading.Event | None
@@ -73,10 +100,11 @@ class DraftHandoff:
         self.capacity, self.lock = capacity, threading.Lock()
         self.prefixes: OrderedDict[tuple[int, tuple[int, ...]], CompressedKV | Deferred] = OrderedDict()
         self.drafter: Drafter | None = None
+        self.pacing: Pacing = NoProposer()  # the attached proposer's, once one attaches
         self._seeded: OrderedDict[tuple[int, int], None] = OrderedDict()
 
     def attach(self, drafter: Drafter) -> None:
-        self.drafter = drafter
+        self.drafter, self.pacing = drafter, drafter.pacing
 
     def post(
         self,

@@ -108,8 +108,7 @@ class VeriCacheConnectorWorker:
                 self.client.submit(self._fetch_for_drafts(spec))
 
     def _wants_copy(self) -> bool:
-        drafter = self.handoff.drafter
-        return drafter is None or drafter.drafts_could_pay()
+        return self.handoff.pacing.drafts_could_pay()
 
     def _load_ended(self, req_id: str) -> None:
         """A load is over (loaded or failed): get_finished reports it, and an idle step waits on it no more."""
@@ -124,8 +123,7 @@ class VeriCacheConnectorWorker:
 
     def worker_meta(self) -> VeriCacheWorkerMeta:
         nbytes, busy = self.meter.take()
-        drafter = None if self.handoff is None else self.handoff.drafter
-        value = None if drafter is None else drafter.predraft_value()
+        value = None if self.handoff is None else self.handoff.pacing.predraft_value()
         # vLLM asks right after its forward (before sampling and a proposer's drafting; its connector calls
         # start_load_kv and, unless a speculative config defers it, wait_for_save after the forward too)
         forward_s = None if self._forward_t0 is None else time.perf_counter() - self._forward_t0
@@ -257,13 +255,13 @@ class VeriCacheConnectorWorker:
         if not self._split_drafter:
             return False
         per_token = self._compressed_s_per_token
-        return per_token is None or self.handoff.drafter.worth_predraft_during(per_token * n)
+        return per_token is None or self.handoff.pacing.worth_predraft_during(per_token * n)
 
     @property
     def _split_drafter(self) -> bool:
         """split16 with the proposer: its compressed copy is fetched as half of the full copy or cut from the
         loaded KV, never fetched beside it (_post_compressed)."""
-        return self.split and self.handoff is not None and self.handoff.drafter is not None
+        return self.split and self.handoff is not None and self.handoff.pacing.attached
 
     def _learn_transfer(self, per_token: float) -> None:
         """A compressed copy's transfer time per token (EMA): what the next fetch decision weighs."""
@@ -331,7 +329,7 @@ class VeriCacheConnectorWorker:
         rate after the first, which a link's burst may carry): upper_s, their expected transfer, learned;
         the split goes on where the pre-draft has room."""
         self._learn_transfer(upper_s / len(spec.prefix))
-        if self.handoff.drafter.worth_predraft_during(upper_s):
+        if self.handoff.pacing.worth_predraft_during(upper_s):
             return True
         logger.info(
             "%s: the store is fast (~%.2fs for the upper halves): the full copy is streamed", spec.req_id, upper_s
@@ -342,7 +340,7 @@ class VeriCacheConnectorWorker:
         """The upper halves are in: checked against the model, posted to the proposer (a pre-draft where the
         lower halves' transfer, as long as theirs, leaves room for it); their digest computed meanwhile."""
         hi = self._arrived(spec, LayeredKV.from_payload(meta, layers), when, t0)
-        drafting = self.handoff.drafter.worth_predraft_during(when["compressed"])
+        drafting = self.handoff.pacing.worth_predraft_during(when["compressed"])
         prompt = (spec.prompt, loaded) if drafting else ()  # else the proposer may draft on it once vLLM runs
         posting = asyncio.ensure_future(asyncio.to_thread(self.handoff.post, spec.prefix, hi, *prompt))
         return hi, asyncio.ensure_future(asyncio.to_thread(digest, layers)), posting
@@ -393,9 +391,8 @@ class VeriCacheConnectorWorker:
         if self.handoff is None or self._split_drafter or self.handoff.seeded(spec.prompt):  # no drafts for it
             return
         n = len(spec.prefix)
-        drafter = self.handoff.drafter
         expected_s = None if self._compressed_s_per_token is None else self._compressed_s_per_token * n
-        if drafter is not None and not drafter.worth_predraft(expected_s, spec.max_tokens):
+        if not self.handoff.pacing.worth_predraft(expected_s, spec.max_tokens):
             logger.info(
                 "%s: compressed copy not fetched (~%.2fs on the link would delay the full copy by more than "
                 "pre-drafts save)",

@@ -112,6 +112,12 @@ class CompressedKVProposer:
         )
         self.accepted = dict.fromkeys(("predraft", "compressed", "ngram"), 0)  # tokens vLLM accepted (stats.py)
 
+    attached = True  # the handoff's pacing object (handoff.Pacing) is this proposer
+
+    @property
+    def pacing(self) -> "CompressedKVProposer":
+        return self
+
     def _find_handoff(self) -> DraftHandoff | None:
         """The connector's DraftHandoff, looked up until found (the connector is built after us)."""
         if self.handoff is None:
