@@ -1,0 +1,110 @@
+"""Self-drafting: greedy drafts of every drafting request at once, on a compressed view of its own KV.
+
+    for each draft step (rows still drafting):
+        x = embed(each row's last token)                    # at its true position p = the row's length - 1
+        for each layer:
+            q, k, v = qkv_rope(norm_in(x))                  # the served model's modules (no weight copy)
+            write k, v at each row's slot of position p     # vLLM's own blocks: see below
+            view = sink + best-bounded + recent + tail blocks (view.py, scored with this q)
+            o = vLLM's paged attention over the view        # a compacted block table: no K/V copied
+            x = x + o_proj(o);  x = x + mlp(norm_post(x))
+        draft = argmax(head(norm(x)))
+
+Where the draft writes. After a step, vLLM has computed the KV of every position before the row's last token;
+the slots from that token's position on are allocated to the request but not computed. vLLM's next (verify)
+forward writes the KV of the last token and of every draft it verifies at exactly those slots, so a draft's own
+K/V written there is overwritten before anything reads it, and a slot past what vLLM verifies lies past the
+request's length (no attention reads it; a block is shared through the prefix cache only once full of computed
+tokens). A row drafts only into slots its blocks already hold (vLLM reserves no lookahead for a custom
+proposer): at most up to the end of its last block. Nothing before the row's length is ever written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import vericache_kernels.paged as PA
+
+from ..connector.paged_layout import kv_views
+from .runner_state import RunnerState
+from .view import ViewPolicy, block_scores, key_bounds, view_tables
+
+Tensor = torch.Tensor
+
+
+class ViewDrafter:
+    def __init__(self, layers, state: RunnerState, policy: ViewPolicy):
+        self.lay, self.state, self.policy = layers, state, policy
+        self._bounds: dict[str, Tensor] = {}  # request id -> [layers, its full blocks, H_kv, 2, D]
+
+    def room(self, index: int, length: int) -> int:
+        """Drafts the row at batch index `index` with `length` tokens can make in its allocated slots."""
+        return self.state.num_blocks([index])[0] * self.state.block_size - length + 1
+
+    @torch.inference_mode()
+    def draft(self, rows: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        """rows: (batch index, token row, drafts wanted) -> each row's greedy drafts (fewer where its
+        allocated slots end first)."""
+        lay, bs, caches = self.lay, self.state.block_size, self.state.layers()
+        index = [i for i, _, _ in rows]
+        want = torch.tensor([min(x, self.room(i, len(row))) for i, row, x in rows])
+        blocks = self.state.blocks(index)
+        pos = torch.tensor([len(row) - 1 for _, row, _ in rows])
+        ids = torch.tensor([row[-1] for _, row, _ in rows])
+        bounds = self._row_bounds(index, pos, blocks, caches) if self.policy.selected else None
+        out: list[list[int]] = [[] for _ in rows]
+        alive = torch.arange(len(rows))  # which of `rows` each batch row of this step is
+        hq, hk, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
+        for step in range(int(want.max()) if len(rows) else 0):
+            live = want > step
+            if not bool(live.all()):  # rows that have their drafts leave the batch
+                blocks, pos, ids, want, alive = blocks[live], pos[live], ids[live], want[live], alive[live]
+                bounds = None if bounds is None else [b[live] for b in bounds]
+            n = len(alive)
+            slots = blocks.gather(1, (pos // bs)[:, None]).flatten().long() * bs + pos % bs
+            qsl = torch.arange(n + 1, dtype=torch.int32)
+            x, plan = lay.embed(ids), None
+            for i, layer_kv in enumerate(caches):
+                q, k, v = lay.qkv(i, x, pos)
+                key_cache, value_cache = _kernel_views(layer_kv, hk, d)
+                PA.paged_write(key_cache, value_cache, k.view(n, hk, d), v.view(n, hk, d), slots, "float32")
+                scores = None if bounds is None else block_scores(q.view(n, hq, d), bounds[i])
+                table, seq_lens = view_tables(blocks, pos, self.policy, bs, scores)
+                if plan is None:  # the same view lengths in every layer: one plan per step
+                    plan = PA.paged_attention_plan(q.view(n, hq, d), hk, qsl, seq_lens, "float32")
+                o = PA.paged_attention(
+                    q.view(n, hq, d), key_cache, value_cache, qsl, seq_lens, table, "float32", plan=plan
+                )
+                x = lay.after_attention(i, x, o.view(n, hq * d))
+            ids = lay.logits(x).argmax(dim=-1)
+            for r, token in zip(alive.tolist(), ids.tolist()):
+                out[r].append(token)
+            pos = pos + 1
+        return out
+
+    def _row_bounds(self, index: list[int], pos: Tensor, blocks: Tensor, caches: list[Tensor]) -> list[Tensor]:
+        """Per layer [R, B, H_kv, 2, D]: each row's key bounds of its full blocks (computed once per request and
+        block: a full block's keys never change), zero past them (masked by view_tables)."""
+        bs, hk, d = self.state.block_size, self.lay.num_kv_heads, self.lay.head_dim
+        present = {self.state.req_id(i) for i in index}
+        for rid in [r for r in self._bounds if r not in present]:
+            del self._bounds[rid]  # finished or preempted
+        out = torch.zeros(len(caches), len(index), blocks.shape[1], hk, 2, d)
+        for r, i in enumerate(index):
+            rid, full = self.state.req_id(i), int(pos[r]) // bs
+            have = self._bounds.get(rid)
+            done = 0 if have is None else have.shape[1]
+            if done < full:
+                ids = blocks[r, done:full].long()
+                new = torch.stack([key_bounds(kv_views(kv, hk, d)[0][ids]) for kv in caches])
+                have = new if have is None else torch.cat((have, new), dim=1)
+                self._bounds[rid] = have
+            if have is not None:
+                out[:, r, : min(full, have.shape[1])] = have[:, :full]
+        return list(out)
+
+
+def _kernel_views(layer: Tensor, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """vLLM's CPU layer buffer as kernels.paged's (key_cache [blocks, H, D, bs], value_cache [blocks, H, bs, D])."""
+    n, bs = layer.shape[0], layer.shape[2]
+    return layer.view(n, num_kv_heads, 2, head_dim, bs)[:, :, 0], layer.view(n, num_kv_heads, 2, bs, head_dim)[:, :, 1]
