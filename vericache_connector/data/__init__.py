@@ -21,3 +21,12 @@ def load_prompts() -> dict[str, str]:
     """All bundled prompts, shortest first."""
     texts = {n: load_prompt(n) for n in prompt_names()}
     return dict(sorted(texts.items(), key=lambda kv: len(kv[1])))
+
+
+def load_long_documents() -> dict[str, str]:
+    """The long documents (prompts/long/: whole CPython 3.11.7 source files of 6.5-7.4k tokens, near the bundled
+    model's 8k context), by name, shortest first: the long-context workload's documents. Not among
+    load_prompts(), which the demo and the exactness tests decode whole."""
+    files = resources.files(__package__).joinpath("prompts", "long")
+    texts = {f.name.removesuffix(".txt"): f.read_text() for f in files.iterdir() if f.name.endswith(".txt")}
+    return dict(sorted(texts.items(), key=lambda kv: len(kv[1])))
