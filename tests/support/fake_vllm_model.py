@@ -1,5 +1,6 @@
 """A tiny CausalLM's weights behind vLLM's Llama module layout (LlamaForCausalLM: model.layers[i].self_attn
-.qkv_proj / o_proj / rotary_emb, mlp.gate_up_proj / down_proj, RMSNorm(x, residual), compute_logits), for
+.qkv_proj / o_proj / rotary_emb, mlp.gate_up_proj / down_proj, RMSNorm(x, residual), compute_logits; Qwen2's
+q/k/v biases in qkv_proj and Qwen3's self_attn.q_norm / k_norm where the model has them), for
 testing the proposer's draft forward over vLLM's modules without a vLLM engine. Linear layers return
 (output, bias) as vLLM's do; the projections are fused (q|k|v, gate|up) as vLLM loads them."""
 
@@ -15,12 +16,13 @@ from vericache_connector.model.causal_lm import CausalLM, apply_rope
 
 
 class Linear(nn.Module):
-    def __init__(self, *weights: torch.Tensor):
+    def __init__(self, *weights: torch.Tensor, biases: list[torch.Tensor | None] | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.cat(weights).detach().clone(), requires_grad=False)
+        self.bias = None if not biases or biases[0] is None else torch.cat(biases).detach().clone()
 
     def forward(self, x):
-        return F.linear(x, self.weight), None
+        return F.linear(x, self.weight, self.bias), None
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +55,12 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)  # Qwen2: with biases
+        self.qkv_proj = Linear(*(p.weight for p in projections), biases=[p.bias for p in projections])
         self.o_proj = Linear(attn.o_proj.weight)
         self.rotary_emb = Rotary(inv_freq, cfg.head_dim)
+        if attn.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k (vLLM's Qwen3Attention has them)
+            self.q_norm, self.k_norm = RMSNorm(attn.q_norm), RMSNorm(attn.k_norm)
 
 
 class SiluAndMul(nn.Module):

@@ -51,7 +51,8 @@ class Bf16Linear:
 
 
 class VLLMLayers:
-    """vLLM's Llama-family modules (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, ...); with
+    """vLLM's Llama-family modules (LlamaForCausalLM, Qwen2ForCausalLM with its q/k/v biases inside qkv_proj,
+    Qwen3ForCausalLM with its per-head q/k norms, MistralForCausalLM, ...); with
     weights="bfloat16" the linear layers run a bfloat16 copy (Bf16Linear), everything else vLLM's modules."""
 
     def __init__(self, target, weights: str = "model"):
@@ -64,8 +65,8 @@ class VLLMLayers:
                 at = layer.self_attn
                 _ = (at.qkv_proj, at.o_proj, at.rotary_emb, layer.mlp, layer.input_layernorm)
                 _ = layer.post_attention_layernorm
-                if hasattr(at, "q_norm") or hasattr(at, "k_norm"):
-                    raise UnsupportedModel("per-head q/k norms (Qwen3-style) are not drafted yet")
+                if hasattr(at, "q_norm") != hasattr(at, "k_norm"):
+                    raise UnsupportedModel("a q norm without a k norm (or the reverse) is not a known layout")
             _ = (target.model.norm, target.model.embed_input_ids, target.compute_logits)
         except AttributeError as e:
             raise UnsupportedModel(f"{type(target).__name__} is not a Llama-family vLLM model ({e})") from None
@@ -109,6 +110,9 @@ class VLLMLayers:
         h = layer.input_layernorm(x)
         qkv = at.qkv_proj(h)[0] if self.linears is None else self.linears[i][0](h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if hasattr(at, "q_norm"):  # Qwen3: an RMSNorm over each head's channels, before RoPE (as vLLM's forward)
+            n, d = q.shape[0], self.head_dim
+            q, k = at.q_norm(q.reshape(n, -1, d)).view(n, -1), at.k_norm(k.reshape(n, -1, d)).view(n, -1)
         q, k = at.rotary_emb(positions, q, k)
         return q, k, v
 
