@@ -153,13 +153,18 @@ def test_the_free_verifier_is_up_not_saturated_and_the_least_busy():
     a, b, c = verifiers.servers
     decode = RoutedDecode(cfg, None, Pool.of(cfg.drafters, "drafter", 1.0), verifiers, PROMPT, Wanted(8))
     a.inflight, b.direct, c.inflight = 3, 0, 1
-    assert decode._free_verifier() is b  # fewest direct + verify calls out
+
+    def free():  # the verifier the request would decode on by itself (path "direct"), or None
+        choice = decode.choose()
+        return None if choice.verifier is None else verifiers.servers[choice.verifier]
+
+    assert free() is b  # fewest direct + verify calls out
     verifiers.fault(b)
-    assert decode._free_verifier() is c  # b is down
+    assert free() is c  # b is down
     c.inflight = cfg.max_verify_inflight
-    assert decode._free_verifier() is a  # c is saturated
+    assert free() is a  # c is saturated
     a.direct = cfg.verifier_decode_slots
-    assert decode._free_verifier() is None  # a's slots are taken: draft and verify
+    assert free() is None and decode.choose().path == "verified"  # a's slots are taken: draft and verify
 
 
 def test_the_slots_are_a_checked_option():

@@ -1,11 +1,13 @@
 """The model level, below both engines: a Llama-family decoder over explicit KV caches, the caches, the
-checkpoint loader and the lossless rule (sampling.py: `verify` accepts drafts, `emit` applies the token
-budget and EOS). It imports nothing from the engines, the draft caches or the integrations above it.
+checkpoint loader, the lossless rule (sampling.py: `verify` accepts drafts, `emit` applies the token
+budget and EOS) and the draft-sending rule (draft_rule.py: when a drafter sends its drafts, and how many).
+It imports nothing from the engines, the draft caches or the integrations above it.
 
     from vericache_connector.model import load_model, resolve_model_dir, verify
 
 Modules: causal_lm.py (CausalLM, ModelConfig, load_model), kv_cache.py (RowCache, KVCache), loader.py
-(checkpoints, the bundled model, model identities), sampling.py (DecodeSettings, verify, emit, sample).
+(checkpoints, the bundled model, model identities), sampling.py (DecodeSettings, verify, emit, sample),
+draft_rule.py (DraftRule).
 Names are resolved on first use, so importing a submodule never pulls in the others.
 """
 
@@ -26,6 +28,7 @@ _EXPORTS = {
     "emit": "sampling",
     "sample": "sampling",
     "top_token": "sampling",
+    "DraftRule": "draft_rule",
 }
 
 

@@ -13,13 +13,12 @@ is dropped and the draft cache rolled back to prompt + emitted (only `lengths` m
     cycle = max(x * T_draft_step, RTT + T_verify(x))
 instead of x * T_draft_step + RTT + T_verify(x), and the full KV never crosses the drafter's slow link.
 
-When does a call go out? Every draft made after a rejected one, before the drafter hears of the rejection,
-is thrown away: (drafts waiting for a call + those drafted while it is in flight) per rejection. Our verifier
-keeps the request's full KV resident, so a call costs it one short forward (batched with other drafters'
-calls): a call goes out as soon as the previous answer is in and k_min drafts are ready, with all of them
-(up to k_cap), so x follows the round trip (a slow verifier gets fewer, larger calls) and little is drafted
-in vain (measured: 1.17-1.38 draft steps per emitted token with calls of 16, about 1.0 this way). A vLLM
-verifier (openai_verifier.py) prefills the whole sequence per call: it gets calls of draft_k.
+When does a call go out, and with how many drafts? model/draft_rule.py's DraftRule, the router's too. Our
+verifier keeps the request's full KV resident, so a call costs it one short forward (batched with other
+drafters' calls): a call goes out as soon as the previous answer is in and k_min drafts are ready, with all of
+them (up to k_cap), so little is drafted in vain (measured: 1.17-1.38 draft steps per emitted token with calls
+of 16, about 1.0 this way). A vLLM verifier (openai_verifier.py) prefills the whole sequence per call: it gets
+calls of draft_k. The drafter drafts on until the budget, k_cap or an EOS stops it (can_draft).
 The first call (no drafts) goes out before the compressed copy is even fetched: the verifier loads the
 full copy over its fast link meanwhile and answers the first token.
 
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.speculative import DecodeConfig, SpecStats
+from ..model.draft_rule import DraftRule
 from ..model.sampling import emit, probs
 from . import rpc
 from .client import VerifierClient
@@ -122,28 +122,20 @@ class VerifiedDecode:
         qs: list[torch.Tensor] = []
         cached = stored
         out = Verified([], SpecStats(accepted=[[]]))
-        k_cap = min(max(d.k_max, d.draft_k), rpc.MAX_DRAFTS)
-        send_at = d.k_min if self.client.cheap_calls else d.draft_k
+        rule = DraftRule.of(d.k_min, d.k_max, d.draft_k, self.client.cheap_calls, most=rpc.MAX_DRAFTS)
 
         def tail(start: int) -> list[int]:  # S[start:]
             rest = self.emitted + spec
             return (prompt[start:] + rest) if start < P else rest[start - P :]
 
-        def drafts_to_send() -> int:
-            x = min(len(spec), d.max_new_tokens - len(self.emitted) - 1)
-            if d.stop_at_eos:
-                x = min(x, next((i + 1 for i, t in enumerate(spec) if t in self.eos), x))
-            return max(0, x)
-
         def can_draft() -> bool:
-            full = len(self.emitted) + len(spec) >= d.max_new_tokens or len(spec) >= k_cap
+            full = len(self.emitted) + len(spec) >= d.max_new_tokens or len(spec) >= rule.k_cap
             return not full and not (d.stop_at_eos and spec and spec[-1] in self.eos)
 
         while not self.done:
-            if self.sent is None and (
-                len(spec) >= min(send_at, d.max_new_tokens - len(self.emitted) - 1) or not can_draft()
-            ):
-                x = drafts_to_send()
+            budget = d.max_new_tokens - len(self.emitted)
+            if self.sent is None and rule.ready(spec, budget, can_draft(), self.eos, d.stop_at_eos):
+                x = rule.count(spec, budget, self.eos, d.stop_at_eos)
                 q = torch.stack(qs[:x]).numpy().astype("<f4").tobytes() if d.temperature > 0 and x else b""
                 self._send(spec[:x], q)
             drafting = can_draft()
