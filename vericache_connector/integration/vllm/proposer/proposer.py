@@ -20,7 +20,7 @@ token for token; sampling: the target distribution). The proposer only decides w
    connector fetches it only where the pre-drafts are expected to save more (DraftPacer.worth_predraft).
    With split16 (float32 KV) it costs nothing: the compressed copy is the upper half of every value's
    bits and the connector then fetches only the lower half (compressors/split16.py, worker.py).
-2. N-GRAM matches (vLLM's own prompt-lookup matcher): free to make, proposed wherever the prompt or the
+2. N-GRAM matches (ngram.py: the drafts of vLLM's prompt-lookup method): free to make, proposed wherever the prompt or the
    output so far predicts a run, as vLLM's `ngram` method would (a longer one merged with the pre-drafts when
    they agree). Drafts already made are proposed as many as pay for their rows in the verify forward, at the
    acceptance measured for drafts of their kind (pre-drafts per request, n-gram drafts per match length).
@@ -54,6 +54,7 @@ from ....draft import DraftConfig, make_draft_cache
 from ..handoff import Deferred, DraftHandoff, find_handoff, materialize
 from .chains import BRANCH_P, MAX_BRANCHES, Chain, Group, common
 from .draft_model import DraftModel, UnsupportedModel
+from .ngram import longest_ngram
 from .pacing import BatchSwitch, DraftPacer, TargetGate, new_estimate
 from .rows import RowTracker
 
@@ -522,24 +523,3 @@ def draft_weights(env=None) -> str:
     if value not in ("model", "bfloat16"):
         raise ValueError(f"{DRAFT_WEIGHTS_ENV} must be 'model' or 'bfloat16', got {value!r}")
     return value
-
-
-try:  # vLLM's own prompt-lookup matcher (the `ngram` method's), so our n-gram drafts are exactly its drafts
-    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as _ngram_match
-except ImportError:  # pragma: no cover - another vLLM version: no n-gram drafts
-    _ngram_match = None
-
-
-def longest_ngram(ids: np.ndarray, lo: int, hi: int, max_len: int, room: int) -> tuple[int, list[int]]:
-    """(n, drafts): vLLM's prompt-lookup drafts for these int32 tokens, those of its `ngram` method (the longest
-    suffix match of lo..hi tokens, at its earliest place), and the length n of that match ((0, []): none).
-    Asked longest first, so that the length is known: the longer the match, the likelier its continuation (on
-    the served-load benchmark's greedy outputs a 4-token match's first draft was right 86% of the time, its
-    eighth 48%; a 2-token match's first 37%: benchmarks/ngram_replay.py)."""
-    if _ngram_match is None:
-        return 0, []
-    for n in range(hi, lo - 1, -1):
-        got = _ngram_match(ids, n, n, max_len, room)
-        if len(got):
-            return n, [int(t) for t in got]
-    return 0, []
