@@ -22,8 +22,10 @@ from vericache_connector.compressors import get_compressor  # noqa: E402
 from vericache_connector.engine import DecodeConfig  # noqa: E402
 from vericache_connector.engine.planner import AcceptanceEstimate  # noqa: E402
 from vericache_connector.integration.vllm.handoff import Deferred, DraftHandoff, row_key  # noqa: E402
+from vericache_connector.integration.vllm.proposer import draft_caches  # noqa: E402
 from vericache_connector.integration.vllm.proposer import proposer as P  # noqa: E402
 from vericache_connector.integration.vllm.proposer.draft_model import DraftModel  # noqa: E402
+from vericache_connector.integration.vllm.proposer.ngram import longest_ngram  # noqa: E402
 from vericache_connector.integration.vllm.proposer.pacing import DraftPacer  # noqa: E402
 
 from tiny_model import tiny_engine  # noqa: E402
@@ -119,11 +121,11 @@ def test_bfloat16_draft_weights_are_opt_in_and_draft_like_the_model(setup, monke
     monkeypatch.setenv(P.DRAFT_WEIGHTS_ENV, "bfloat16")
     p = make_proposer(model)
     p.load_model(FakeVLLMLlama(model))
-    assert p.draft.layers.linears is not None
+    assert p.caches.draft.layers.linears is not None
     monkeypatch.delenv(P.DRAFT_WEIGHTS_ENV)
     p = make_proposer(model)
     p.load_model(FakeVLLMLlama(model))
-    assert p.draft.layers.linears is None  # default: vLLM's own modules
+    assert p.caches.draft.layers.linears is None  # default: vLLM's own modules
 
 
 def test_no_second_copy_of_the_weights(setup, monkeypatch):
@@ -152,10 +154,10 @@ def test_no_second_copy_of_the_weights(setup, monkeypatch):
     (line,) = [ln for ln in lines if "VeriCache proposer" in ln]
     per_entry = eng.model.cfg.kv_bytes_per_token(2)
     assert "no copy of its weights" in line and f"{per_entry} bytes per entry" in line, line
-    assert f"at most {P.MAX_DRAFT_BYTES >> 20} MiB" in line
-    assert p.draft.layers.model is target
-    owned = [v for v in vars(p.draft).values() if isinstance(v, torch.Tensor)]
-    owned += [v for v in vars(p.draft.layers).values() if isinstance(v, (torch.Tensor, torch.nn.Module))]
+    assert f"at most {draft_caches.MAX_DRAFT_BYTES >> 20} MiB" in line
+    assert p.caches.draft.layers.model is target
+    owned = [v for v in vars(p.caches.draft).values() if isinstance(v, torch.Tensor)]
+    owned += [v for v in vars(p.caches.draft.layers).values() if isinstance(v, (torch.Tensor, torch.nn.Module))]
     assert all(isinstance(v, torch.nn.Module) and v is target for v in owned), owned
     assert {id(q) for q in target.parameters()} == before
     target(torch.zeros(1))  # the served forward now runs through the gate
@@ -165,14 +167,14 @@ def test_no_second_copy_of_the_weights(setup, monkeypatch):
 def predrafted(eng, compressed, prompt, drafts: int) -> P.CompressedKVProposer:
     """A proposer whose pre-draft for `prompt` ran `drafts` tokens, then the full copy landed."""
     p = make_proposer(eng.model)
-    p.draft = DraftModel.of_own(eng.model)
+    p.caches.draft = DraftModel.of_own(eng.model)
     loaded = threading.Event()
     p.predraft(prompt, PREFIX, compressed, loaded)
     deadline = time.monotonic() + 60
     while p.stats["predrafted"] < drafts and time.monotonic() < deadline:
         time.sleep(0.01)
     loaded.set()
-    while any(c.predrafting for g in p.groups.values() for c in g.chains):
+    while any(c.predrafting for g in p.caches.groups.values() for c in g.chains):
         time.sleep(0.01)
     return p
 
@@ -182,7 +184,7 @@ def test_predrafts_are_proposed_as_made_up_to_k_per_step(setup):
     is (no draft step in propose), k per step, following the full-KV greedy output as vLLM accepts it."""
     eng, prompt, ref, compressed = setup
     p = predrafted(eng, compressed, prompt, 30)
-    (group,) = p.groups.values()
+    (group,) = p.caches.groups.values()
     main = group.chains[0]
     assert main.tokens[:PROMPT_LEN] == prompt and len(main.tokens) >= PROMPT_LEN + 30 // len(group.chains)
     row, accepted = prompt + ref[:1], []
@@ -221,7 +223,7 @@ def test_a_predraft_yields_to_the_served_models_steps(setup):
     those steps waits for at most the one draft step in progress. Once vLLM is idle, the pre-draft runs."""
     eng, prompt, _, compressed = setup
     p = make_proposer(eng.model)
-    p.draft = DraftModel.of_own(eng.model)
+    p.caches.draft = DraftModel.of_own(eng.model)
     stop, waits = threading.Event(), []
 
     def decoding():  # another request's steps: 30 ms forwards back to back
@@ -254,7 +256,7 @@ def with_posted_copy(eng, prompt, compressed):
     a pre-draft (a fast load), and the names of the threads that cut it (none yet); no n-gram drafts (a random
     model's greedy output loops)."""
     p = make_proposer(eng.model)
-    p.draft = DraftModel.of_own(eng.model)
+    p.caches.draft = DraftModel.of_own(eng.model)
     p.handoff = DraftHandoff()
     p.handoff.attach(p)
     cut = []
@@ -266,7 +268,7 @@ def with_posted_copy(eng, prompt, compressed):
 def wait_for_group(p, timeout_s: float = 60.0) -> None:
     """Until the proposer's draft-cache thread has built a group (or timeout_s)."""
     deadline = time.monotonic() + timeout_s
-    while not p.groups and time.monotonic() < deadline:
+    while not p.caches.groups and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -278,10 +280,10 @@ def test_a_copy_posted_on_a_fast_load_is_cut_and_built_on_a_thread_from_the_requ
     p, cut = with_posted_copy(eng, prompt, compressed)
     assert p.propose(*step_args([prompt + ref[:1]])) == [[]]
     time.sleep(0.2)
-    assert cut == [] and not p.groups  # nothing beside the first token's step
+    assert cut == [] and not p.caches.groups  # nothing beside the first token's step
     p.propose(*step_args([prompt + ref[:2]]))
     wait_for_group(p)
-    assert cut == ["vericache-draft-cache"] and len(p.groups) == 1
+    assert cut == ["vericache-draft-cache"] and len(p.caches.groups) == 1
     for _ in range(5):
         p.pacer.record_step(0.1)
     p.pacer.drafted(0.001)  # drafts pay (cheap against vLLM's step)
@@ -296,14 +298,14 @@ def test_a_pre_draft_built_after_its_load_landed_is_none_and_its_request_builds_
     pre-draft counted, nothing credited to the link's decisions)."""
     eng, prompt, ref, compressed = setup
     p, _ = with_posted_copy(eng, prompt, compressed)
-    release, calls, new_group = threading.Event(), [], p._new_group
+    release, calls, new_group = threading.Event(), [], p.caches.new_group
 
     def slow_build(*args):
         calls.append(threading.current_thread().name)
         assert release.wait(30)
         return new_group(*args)
 
-    monkeypatch.setattr(p, "_new_group", slow_build)
+    monkeypatch.setattr(p.caches, "new_group", slow_build)
     loaded = threading.Event()
     posting = threading.Thread(target=p.predraft, args=(prompt, PREFIX, compressed, loaded), name="post")
     posting.start()
@@ -317,7 +319,7 @@ def test_a_pre_draft_built_after_its_load_landed_is_none_and_its_request_builds_
     release.set()
     posting.join(30)
     assert calls == ["post"]  # one build, the pre-draft's
-    (group,) = p.groups.values()
+    (group,) = p.caches.groups.values()
     assert group.prompt_len == 0 and p.stats["predrafts"] == 0 and not group.chains[0].predrafting
 
 
@@ -337,11 +339,11 @@ def test_no_draft_cache_is_built_in_a_batch_where_compressed_drafts_cannot_pay(s
     for n in range(1, 4):  # the switch's first steps at this batch propose (unmeasured: drafts on)
         p.propose(*step_args([prompt + ref[:n], *others]))
     time.sleep(0.2)
-    assert cut == [] and not p.groups and not p.drafts_could_pay()
+    assert cut == [] and not p.caches.groups and not p.pacing.drafts_could_pay()
     p.propose(*step_args([prompt + ref[:4]]))
     p.propose(*step_args([prompt + ref[:5]]))
     wait_for_group(p)
-    assert cut == ["vericache-draft-cache"] and len(p.groups) == 1 and p.drafts_could_pay()
+    assert cut == ["vericache-draft-cache"] and len(p.caches.groups) == 1 and p.pacing.drafts_could_pay()
     (drafts,) = p.propose(*step_args([prompt + ref[:6]]))
     assert drafts and p.stats["drafted"] >= len(drafts)
 
@@ -437,16 +439,16 @@ def test_switched_off_the_proposer_proposes_nothing_and_ngram_matches_are_vllms_
     want = vllm_ngram(np.array(loop, dtype=np.int32), 2, 4, 4096, K).tolist()
     assert want[:3] == [14, 15, 16] and drafts == want[: len(drafts)]  # vLLM's matcher's drafts
     # as many as pay for their rows in the verify forward: 100 ms steps, + 10 ms a draft (the CPU prior)
-    assert len(drafts) == p.pacer.free_horizon(p.ngram_est[3], len(want)) == 6  # a 3-token match
+    assert len(drafts) == p.pacer.free_horizon(p.acceptance.ngram_est[3], len(want)) == 6  # a 3-token match
 
 
 def test_a_rejected_draft_continues_on_the_branch_that_took_the_full_models_token(setup, monkeypatch):
     """Where the draft model hesitated, the pre-draft branched on its second choice; when vLLM emits that
     token instead of the first choice, the branch's drafts are proposed at once (no draft step)."""
     eng, prompt, _, compressed = setup
-    monkeypatch.setattr(P, "BRANCH_P", 1e-3)  # the random model is sure of itself: make it branch
+    monkeypatch.setattr(draft_caches, "BRANCH_P", 1e-3)  # the random model is sure of itself: make it branch
     p = predrafted(eng, compressed, prompt, 40)
-    (group,) = p.groups.values()
+    (group,) = p.caches.groups.values()
     assert p.stats["branches"] == len(group.chains) - 1 >= 1, p.stats
     main, other = group.chains[0], group.chains[1]
     j = next(i for i, (a, b) in enumerate(zip(main.tokens, other.tokens)) if a != b)
@@ -543,12 +545,12 @@ def test_requests_sharing_a_long_prefix_are_told_apart(setup):
     doc = prompt + loop + prompt[:20]  # a shared document: each question's row ends in a repeat of `loop`
     a, b = doc + [1, 2] + loop[:3], doc + [3, 4] + loop[:3]  # two questions; n-grams propose 14, 15, ...
     p.propose(*step_args([a, b]))
-    assert p.stats["ngram"] == 2 and set(p._ngram_last) == {0, 1}
+    assert p.stats["ngram"] == 2 and set(p.acceptance.ngram_last) == {0, 1}
     a, b = a + loop[3:5], b + loop[3:6]  # each request took 2 / 3 drafted tokens: its own drafts
     p.propose(*step_args([b, a]))  # vLLM moved the rows: still the same two requests
     assert seen == [(2, True, 5)]
     assert p.accepted["ngram"] == 5  # each request's own drafts
-    assert sum(e.rejected for e in p.ngram_est.values()) == 2  # each one's rejected once, after what it took
+    assert sum(e.rejected for e in p.acceptance.ngram_est.values()) == 2  # each one's rejected once, after what it took
     c = doc + [5, 6] + loop[:3]  # a finished; a third question on the document takes its place
     p.propose(*step_args([b + loop[6:7], c]))
     assert seen == [(2, True, 5)]  # a new request: its prefill ran in the step, which is not a sample
@@ -565,19 +567,21 @@ def test_ngram_drafts_are_sized_by_the_acceptance_of_matches_of_their_length(set
     for _ in range(5):
         p.pacer.record_step(0.08 + 4 * 0.003, rows=8, drafts=4)
     for n, a in ((4, 0.85), (3, 0.6), (2, 0.35)):
-        p.ngram_est[n] = AcceptanceEstimate(a, weight=1000.0)
+        p.acceptance.ngram_est[n] = AcceptanceEstimate(a, weight=1000.0)
     run = list(range(200, 216))
     four = prompt[:30] + [7, 8, 9, 10] + run + prompt[30:50] + [7, 8, 9, 10]  # ends in a 4-token match
     two = prompt[60:90] + [7, 8, 9, 10] + run + prompt[90:110] + [3, 4, 9, 10]  # a 2-token one (9, 10)
     rows = [four, two] + [[(t * 13 + j) % 256 for t in range(40)] for j in range(6)]
     p.ngram = (4, 4)
-    assert p._ngram(np.array(rows[1]), 16) == (0, [])
+    assert longest_ngram(np.array(rows[1]), *p.ngram, p.max_len, 16) == (0, [])
     p.ngram = (2, 4)
-    assert p._ngram(np.array(four), 16) == (4, run) and p._ngram(np.array(two), 16) == (2, run)
+    assert longest_ngram(np.array(four), *p.ngram, p.max_len, 16) == (4, run) and longest_ngram(
+        np.array(two), *p.ngram, p.max_len, 16
+    ) == (2, run)
     p.switch.allows = lambda rows: True
     out = p.propose(*step_args(rows))
-    assert out[0] == run[: p.pacer.free_horizon(p.ngram_est[4], 16, 8)] and len(out[0]) >= 4
-    assert out[1] == [] and p.pacer.free_horizon(p.ngram_est[2], 16, 8) == 0
-    before = (p.ngram_est[4].accepted, p.ngram_est[2].accepted)
+    assert out[0] == run[: p.pacer.free_horizon(p.acceptance.ngram_est[4], 16, 8)] and len(out[0]) >= 4
+    assert out[1] == [] and p.pacer.free_horizon(p.acceptance.ngram_est[2], 16, 8) == 0
+    before = (p.acceptance.ngram_est[4].accepted, p.acceptance.ngram_est[2].accepted)
     p.propose(*step_args([four + run[:2] + [99], two + [5], *(r + [1] for r in rows[2:])]))  # 2 accepted
-    assert (p.ngram_est[4].accepted, p.ngram_est[2].accepted) == (before[0] + 2, before[1])
+    assert (p.acceptance.ngram_est[4].accepted, p.acceptance.ngram_est[2].accepted) == (before[0] + 2, before[1])
