@@ -2,13 +2,14 @@
 over the outputs of a served-load run (benchmarks/vllm_bench.py's results folder: its dataset.jsonl and one
 client JSON with generated texts, by default plain vLLM's at the highest concurrency).
 
-At every output position of every request, vLLM's own matcher (the `ngram` method's) is asked for --k drafts
-on the tokens so far, longest match first (--max-n down to --min-n, as the proposer asks it); the drafts are
-compared with the tokens the request went on to produce. Per match length: how many positions had such a
-match, and P(the first i drafts all right) for i = 1..k: the acceptance a greedy verifier would give those
-drafts. No model runs (the outputs are a past run's, re-tokenized with the model's tokenizer: a text that
-tokenizes otherwise than it was generated shifts a few positions). The CompressedKVProposer keeps one
-acceptance estimate per match length because of what this shows (integration/vllm/proposer.py, _ngram).
+At every output position of every request, the proposer's matcher (proposer/ngram.py: the drafts of vLLM's
+`ngram` method) is asked for --k drafts on the tokens so far, longest match first (--max-n down to --min-n, as
+the proposer asks it); the drafts are compared with the tokens the request went on to produce. Per match
+length: how many positions had such a match, and P(the first i drafts all right) for i = 1..k: the acceptance
+a greedy verifier would give those drafts. No model runs (the outputs are a past run's, re-tokenized with the
+model's tokenizer: a text that tokenizes otherwise than it was generated shifts a few positions). The
+CompressedKVProposer keeps one acceptance estimate per match length because of what this shows
+(integration/vllm/proposer/measure.py).
 
     python benchmarks/ngram_replay.py results/vllm_bench/20261206-161107
 
@@ -34,7 +35,7 @@ def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: i
     import numpy as np
 
     from vericache_connector.integration.vllm.proposer.chains import common
-    from vericache_connector.integration.vllm.proposer.proposer import longest_ngram  # what the proposer asks
+    from vericache_connector.integration.vllm.proposer.ngram import longest_ngram  # what the proposer asks
 
     counts: dict[int, list[int]] = {}
     for prompt, output in rows:

@@ -29,6 +29,10 @@ max_tokens - 1) x t_v > (1 + MARGIN) T_c. With split16 the compressed copy is ha
 costs nothing on the link; the pre-draft then runs only where the rest of the load (about as long as the
 compressed copy took) leaves room for WINDOW_STEPS draft steps: on a fast store its draft steps would only
 take the cores from the load.
+
+ProposerPacing. The connector's worker asks these questions (worth_predraft, predraft_value,
+worth_predraft_during, drafts_could_pay) of one object, through the handoff (handoff.Pacing): while a
+proposer is attached it is this one, the DraftPacer's answers where the proposer has a draft model.
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ import contextlib
 import statistics
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ....engine.planner import AcceptanceEstimate, expected_tokens
+
+if TYPE_CHECKING:
+    from .draft_caches import DraftCaches
 
 MARGIN = 0.05  # drafting must promise this much more throughput than plain decoding
 ALPHA_PRIOR = 0.8  # per-draft acceptance before a request has been verified
@@ -108,13 +116,17 @@ class TargetGate:
 class DraftPacer:
     def __init__(self, k_max: int, device: str = "cpu"):
         self.k_max = k_max
-        self.per_draft_prior = PER_DRAFT_PRIOR.get(device, PER_DRAFT_PRIOR["cpu"])
+        self.on_device(device)
         self._draft = collections.deque(maxlen=SAMPLES)  # one batched single-token draft step
         self._plain: dict[int, collections.deque] = {}  # batch rows -> vLLM steps with no drafts to verify
         self._per_draft = collections.deque(maxlen=SAMPLES)  # (drafts, what they added to their step)
         self._last: tuple[float, int, int] | None = None  # the previous propose: (its end, rows, drafts)
         self._yields = collections.deque(maxlen=SAMPLES)  # pre-drafted tokens accepted, per request
         self._predraft_s = collections.deque(maxlen=SAMPLES)  # (accepted, seconds pre-drafted), per request
+
+    def on_device(self, device: str) -> None:
+        """The drafts run on `device` ("cpu", "cuda"): what one more draft adds to a step, until measured."""
+        self.per_draft_prior = PER_DRAFT_PRIOR.get(device, PER_DRAFT_PRIOR["cpu"])
 
     @property
     def draft_s(self) -> float | None:
@@ -297,6 +309,44 @@ class BatchSwitch:
                 f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
                 out.append(f"<={b}: {f(on)} / {f(off)} tok/s")
         return "drafts on / off by batch " + (", ".join(out) or "unmeasured")
+
+
+class ProposerPacing:
+    """The handoff's pacing object (handoff.Pacing) while a proposer is attached: what the connector's worker
+    asks before and during a load, answered by the proposer's DraftPacer where a draft model drafts (none:
+    no pre-draft, no compressed-KV draft, no copy worth fetching for one)."""
+
+    attached = True
+
+    def __init__(self, pacer: DraftPacer, caches: DraftCaches):
+        self.pacer, self.caches = pacer, caches
+        self.batch = 0  # running requests at the last propose (the proposer's)
+
+    @property
+    def drafting(self) -> bool:
+        """The proposer has a draft model (vLLM's model was handed over: load_model)."""
+        return self.caches.draft is not None
+
+    def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
+        """The connector asks before it fetches a compressed copy for a pre-draft (DraftPacer.worth_predraft)."""
+        return self.drafting and self.pacer.worth_predraft(compressed_s, max_new)
+
+    def predraft_value(self) -> float | None:
+        """Decode seconds pre-drafts saved per second of pre-drafting (what a second of load is worth to the
+        connector's load-or-recompute decision); None until measured."""
+        return None if not self.drafting else self.pacer.predraft_value()
+
+    def drafts_could_pay(self, batch: int | None = None) -> bool:
+        """Could a compressed-KV draft made after the load pay at this batch size (default: the batch of the
+        last step)? The pacer's horizon at the prior acceptance. A draft cache (the compressed prefix decoded,
+        tens of MB, on the cores vLLM's steps need) is built, and a compressed copy fetched for a recomputed
+        prefix (the connector asks), only then; pre-drafts during a load do not ask (they use idle time)."""
+        batch = self.batch if batch is None else batch
+        return self.drafting and self.pacer.horizon(new_estimate(), self.pacer.k_max, max(1, batch)) > 0
+
+    def worth_predraft_during(self, seconds: float) -> bool:
+        """split16's load asks, once the upper halves are in: is the rest's transfer long enough to draft in?"""
+        return self.drafting and self.pacer.worth_predraft_during(seconds)
 
 
 def new_estimate() -> AcceptanceEstimate:
