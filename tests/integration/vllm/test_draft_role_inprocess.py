@@ -19,6 +19,7 @@ from storage_backends import DualCopyStore  # noqa: E402
 from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
 from vericache_connector.integration.vllm.connector import config as vconfig  # noqa: E402
 from vericache_connector.integration.vllm.connector import drafter  # noqa: E402
+from vericache_connector.integration.vllm.connector.loads import CompressedOnlyLoad  # noqa: E402
 from vericache_connector.integration.vllm.connector.metadata import LoadSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.connector.paged_layout import gather_tokens, kv_views  # noqa: E402
 from vericache_connector.integration.vllm.router_plugins import GUARD  # noqa: E402
@@ -92,7 +93,7 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
 
     conn = VeriCacheConnector(drafter_config(model_dir, store_url), KVConnectorRole.WORKER, None)
     try:
-        assert isinstance(conn.worker, drafter.DrafterWorker) and conn.draft_handoff is None
+        assert isinstance(conn.worker.loads, CompressedOnlyLoad) and conn.draft_handoff is None
         caches = {
             f"model.layers.{i}.self_attn.attn": torch.zeros(10, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
         }

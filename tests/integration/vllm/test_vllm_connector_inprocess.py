@@ -465,6 +465,7 @@ def test_a_step_without_a_forward_waits_for_the_load_instead_of_spinning(model_d
     """vLLM runs steps back to back while every request waits for its KV; such a step (metadata idle) waits
     up to IDLE_WAIT_S for a load to end instead of answering at once (each answer takes the worker's GIL
     and a core from the load and the pre-draft); the load's end wakes it; a step with a forward never waits."""
+    from vericache_connector.integration.vllm.connector import loads as loads_module
     from vericache_connector.integration.vllm.connector import worker as worker_module
 
     sched = create_scheduler(vllm_config(model_dir, store_url))
@@ -473,13 +474,13 @@ def test_a_step_without_a_forward_waits_for_the_load_instead_of_spinning(model_d
     sched.add_request(req)
     assert sched.schedule().kv_connector_metadata.idle  # only a request waiting for its KV: no forward
     conn, views = worker(model_dir, store_url)
-    original, load_s = worker_module.stream_full_copy, 0.4
+    original, load_s = loads_module.stream_full_copy, 0.4
 
     async def slow(*args, **kwargs):
         await asyncio.sleep(load_s)
         return await original(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "stream_full_copy", slow)
+    monkeypatch.setattr(loads_module, "stream_full_copy", slow)
     try:
         spec = LoadSpec("b", PROMPT[:STORED], [4, 5, 6, 7], 0, PROMPT)
         conn.bind_connector_metadata(VeriCacheMetadata(loads=[spec], idle=True))
@@ -579,7 +580,7 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
     starts on them) and then the lower halves, never the full copy, and the blocks hold the saved KV bit
     for bit. Without the lower halves (or with ones of other KV) the full copy is streamed instead."""
     from vericache_connector.compressors.split16 import COMPLEMENT
-    from vericache_connector.integration.vllm.connector import worker as worker_module
+    from vericache_connector.integration.vllm.connector import loads as loads_module
 
     drafter = RecordingDrafter()
     conn, views, kv = split16_worker(model_dir, store_url, drafter, seed=5)
@@ -593,7 +594,7 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
             streamed.append(args[1])
             raise AssertionError("the split load streamed the full copy")
 
-        monkeypatch.setattr(worker_module, "stream_full_copy", no_full_copy)
+        monkeypatch.setattr(loads_module, "stream_full_copy", no_full_copy)
         for rid, blocks in (("b", [4, 5, 6, 7]), ("c", [6, 7, 8, 9])):
             assert load(conn, rid, blocks) == {rid}
             assert not conn.get_block_ids_with_load_errors() and not streamed
@@ -621,10 +622,12 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
         _, lo = other.halves(PrefixKV([x["k"] for x in kv], [x["v"] for x in kv]))  # this KV's lower halves again
         call(store.put_prefix(PROMPT[:STORED], None, {lo.spec: lo.to_payload()}, overwrite=True))
         drafter.window, predrafts = False, len(drafter.got)
-        conn.worker._compressed_s_per_token = None
+        conn.worker.ctx.compressed_s_per_token = None
         decided = []
-        worth_split = conn.worker._worth_split
-        monkeypatch.setattr(conn.worker, "_worth_split", lambda *a: decided.append(worth_split(*a)) or decided[-1])
+        worth_split = conn.worker.loads._worth_split
+        monkeypatch.setattr(
+            conn.worker.loads, "_worth_split", lambda *a: decided.append(worth_split(*a)) or decided[-1]
+        )
         for rid in ("e", "f"):
             conn.draft_handoff.prefixes.clear()
             save_blocks(conn, views, zeros, None, [4, 5, 6, 7])
@@ -636,7 +639,7 @@ def test_split16_load_is_the_upper_halves_for_the_drafts_then_the_lower_ones(mod
             comp = comp.get()
             assert n == STORED and comp.spec == spec
             assert torch.equal(comp.layer_kv(2, torch.float32)[0], k_hi)
-            assert conn.worker._compressed_s_per_token is not None
+            assert conn.worker.ctx.compressed_s_per_token is not None
         assert decided == [False]  # e decided on the upper halves' first layers, f before fetching any
     finally:
         conn.shutdown()

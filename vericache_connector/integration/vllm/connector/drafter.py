@@ -7,21 +7,17 @@ writes to the store (its KV is lossy). `vericache router` checks what it drafts 
 beside the store, so what a user sees is the verifier's output. Lossy output must not reach a user by
 mistake: config.check_drafter_server refuses to start such a server unless the router token is set, its
 command line names the RouterOnly middleware (router_plugins.py) and the compressor keeps every token.
+
+Its scheduler half is DrafterScheduler (below); its worker half is the connector's own worker, whose load strategy
+for this role is loads.CompressedOnlyLoad (the copy, decoded into the request's blocks) and which refuses saves.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-
-import torch
 from vllm.logger import init_logger
 
-from ....compressors import LayeredKV
 from .metadata import LoadSpec, VeriCacheMetadata
-from .paged_layout import scatter_tokens
 from .scheduler import VeriCacheConnectorScheduler, connector_off
-from .worker import VeriCacheConnectorWorker
 
 logger = init_logger("vllm.vericache")
 MAX_CANDIDATES = 32  # chunk-aligned prefixes tried per lookup, longest first
@@ -61,56 +57,3 @@ class DrafterScheduler(VeriCacheConnectorScheduler):
             if r.num_computed_tokens < self._loaded.get(r.req_id, 0):
                 del self._loaded[r.req_id]
         return meta
-
-
-class DrafterWorker(VeriCacheConnectorWorker):
-    """Loads the compressed copy, decoded, into the request's blocks; never the full copy, never saves."""
-
-    def wait_for_save(self, meta: VeriCacheMetadata) -> None:
-        if meta.saves:  # DrafterScheduler sends none; lossy KV must never reach the store
-            logger.error("drafter role: %d saves dropped (lossy KV is never stored)", len(meta.saves))
-
-    async def _load(self, spec: LoadSpec, idle: bool = True) -> None:  # the worker's signature; idle unused here
-        t0, n = time.perf_counter(), len(spec.prefix)
-        first, last = spec.start // self.block_size, n // self.block_size
-        ids = torch.tensor(spec.block_ids[first:last])
-        lo = first * self.block_size
-        try:
-            got = await asyncio.wait_for(
-                self.client.store.get_compressed(spec.prefix, self.compressor.spec), self.cfg.timeout_s
-            )
-            if got is None:
-                raise LookupError("the compressed copy is gone")
-            fetched = time.perf_counter() - t0
-            comp = LayeredKV.from_payload(*got)  # checksums passed; it must also fit the model
-            self.compressor.validate(comp, n, len(self._views), self.num_kv_heads, self.head_dim)
-            await asyncio.to_thread(self._put, comp, ids, lo, n)
-            logger.info(
-                "drafter: %s: compressed copy of %d tokens loaded (%d bytes in %.2fs, into blocks after %.2fs); "
-                "the full copy is never read",
-                spec.req_id,
-                n - spec.start,
-                comp.nbytes,
-                fetched,
-                time.perf_counter() - t0,
-            )
-        except BaseException as e:  # noqa: BLE001 - vLLM computes the blocks instead
-            logger.warning(
-                "drafter: compressed load of %s failed (%s: %s): vLLM computes its %d blocks",
-                spec.req_id,
-                type(e).__name__,
-                e,
-                len(ids),
-            )
-            with self._lock:
-                self._failed_blocks.update(spec.block_ids[first:last])
-        finally:
-            self._load_ended(spec.req_id)
-
-    def _put(self, comp: LayeredKV, ids: torch.Tensor, lo: int, n: int) -> None:
-        for layer, (kv, vv) in enumerate(self._views):
-            k, v = comp.layer_kv(layer, kv.dtype)  # [H_kv, n, D]: every token, dequantized
-            if k.shape[1] != n or v.shape[1] != n:
-                raise ValueError(f"compressed copy layer {layer} holds {k.shape[1]} of {n} tokens")
-            scatter_tokens(kv, ids, k[:, lo:n])
-            scatter_tokens(vv, ids, v[:, lo:n])
