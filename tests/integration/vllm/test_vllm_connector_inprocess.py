@@ -102,7 +102,7 @@ def test_stored_prefix_is_loaded_asynchronously_then_the_rest_computed(model_dir
     sched.update_from_output(so, runner_output([req]))
     conn = sched.connector.scheduler
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-    assert not (conn._lookups or conn._loads or conn._pending or conn._loaded or conn._repair)
+    assert not (conn._requests or conn._loads)  # every fact about the request is dropped with it
 
 
 @pytest.mark.parametrize("first_bad", [0, 1])

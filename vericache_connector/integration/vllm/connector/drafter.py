@@ -28,14 +28,16 @@ class DrafterScheduler(VeriCacheConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid, prompt = request.request_id, list(request.prompt_token_ids or [])
-        if self._loaded.pop(rid, None) is not None or connector_off(request):  # asked again: its load failed
+        req = self._request(rid)
+        loaded, req.loaded = req.loaded, None
+        if loaded is not None or connector_off(request):  # asked again: its load failed
             return 0, False
         stored = self.stored_len(prompt)
         lengths, copy = range(stored, num_computed_tokens, -self.cfg.chunk_size), self.compressor.spec
         try:
             for n in list(lengths)[:MAX_CANDIDATES]:
                 if self.client.call(self.client.store.has_compressed(prompt[:n], copy)):
-                    self._lookups[rid] = n
+                    req.lookup = n
                     return n - num_computed_tokens, True
         except Exception as e:  # down or slow: a miss (vLLM computes the prompt), never a failed request
             logger.warning("store lookup failed for %s (%s: %s): computing the prompt", rid, type(e).__name__, e)
@@ -43,17 +45,19 @@ class DrafterScheduler(VeriCacheConnectorScheduler):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
-        if num_external_tokens > 0 and rid in self._lookups:
-            found = self._lookups.pop(rid)
+        req = self._request(rid)
+        if num_external_tokens > 0 and req.lookup is not None:
+            found, req.lookup = req.lookup, None
             prompt = list(request.prompt_token_ids or [])
             block_ids = list(blocks.get_block_ids()[0])
             self._loads[rid] = LoadSpec(rid, prompt[:found], block_ids, found - num_external_tokens, prompt)
-            self._loaded[rid] = found
+            req.loaded = found
 
     def build_connector_meta(self, scheduler_output) -> VeriCacheMetadata:
         meta = VeriCacheMetadata(loads=list(self._loads.values()))
         self._loads.clear()
         for r in scheduler_output.scheduled_new_reqs:  # a load that failed past a valid part: nothing to repair
-            if r.num_computed_tokens < self._loaded.get(r.req_id, 0):
-                del self._loaded[r.req_id]
+            req = self._requests.get(r.req_id)
+            if req is not None and r.num_computed_tokens < (req.loaded or 0):
+                req.loaded = None
         return meta
