@@ -5,7 +5,6 @@ to the store. The live-server test (test_vllm_router.py) checks the router's out
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -24,29 +23,20 @@ from vericache_connector.integration.vllm.connector.metadata import LoadSpec, Ve
 from vericache_connector.integration.vllm.connector.paged_layout import gather_tokens, kv_views  # noqa: E402
 from vericache_connector.integration.vllm.router_plugins import GUARD  # noqa: E402
 
-from stores import drop_memory_store, random_kv  # noqa: E402
+from connector_inprocess import DIM, HEADS, LAYERS, STORED, store_model, wait_for  # noqa: E402
+from stores import random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
 
 PROMPT = list(range(2000, 2600))  # 600 tokens: 2 whole chunks of 256 stored
-STORED = 512
-LAYERS, HEADS, DIM = 30, 3, 64
 SPEC = get_compressor("kivi4").spec
 
 
-def store_model() -> str:
-    from vericache_connector.model.loader import model_identity, resolve_model_dir
-
-    return model_identity(resolve_model_dir(None), torch.float32)
-
-
 @pytest.fixture
-def store_url(monkeypatch):
-    """A memory store, and a process that passes the drafter role's start-up checks (token, guard)."""
+def store_url(store_url, monkeypatch):
+    """A memory store (conftest.py), and a process that passes the drafter role's start-up checks (token, guard)."""
     monkeypatch.setenv("VERICACHE_ROUTER_TOKEN", "router-token-0123456789abcdef")
     monkeypatch.setattr(vconfig, "_command_lines", lambda: [f"vllm serve m --middleware {GUARD}"])
-    name = f"drafter{time.monotonic_ns()}"
-    yield f"local://{name}"
-    drop_memory_store(name)
+    return store_url
 
 
 async def _seed(url: str, prefix: list[int], compressed: bool = True):
@@ -118,15 +108,6 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
         assert conn.worker._loading == 0  # both loads counted out: no idle step waits on a load that ended
     finally:
         conn.shutdown()
-
-
-def wait_for(fn, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := fn():
-            return got
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 # ---------------------------------------------------------------- the serve role, as the router's verifier uses it
