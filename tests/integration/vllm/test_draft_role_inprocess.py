@@ -5,6 +5,7 @@ to the store. The live-server test (test_vllm_router.py) checks the router's out
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E4
 from vericache_connector.integration.vllm.connector import config as vconfig  # noqa: E402
 from vericache_connector.integration.vllm.connector import drafter  # noqa: E402
 from vericache_connector.integration.vllm.connector.loads import CompressedOnlyLoad  # noqa: E402
-from vericache_connector.integration.vllm.connector.metadata import LoadSpec, VeriCacheMetadata  # noqa: E402
+from vericache_connector.integration.vllm.connector.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.connector.paged_layout import gather_tokens, kv_views  # noqa: E402
 from vericache_connector.integration.vllm.router_plugins import GUARD  # noqa: E402
 
@@ -107,6 +108,25 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
         assert conn.get_block_ids_with_load_errors() == {1, 2, 3}
         assert conn.worker._loading == 0  # both loads counted out: no idle step waits on a load that ended
     finally:
+        conn.shutdown()
+
+
+def test_drafter_worker_refuses_saves(model_dir, store_url):
+    """DrafterScheduler sends no saves; one sent anyway is dropped, loudly: lossy KV never reaches the store."""
+    from vericache_connector.integration.vllm.connector import worker as worker_module
+    from vericache_connector.vllm_connector import VeriCacheConnector
+
+    conn = VeriCacheConnector(drafter_config(model_dir, store_url), KVConnectorRole.WORKER, None)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    worker_module.logger.addHandler(handler)  # vLLM's logger does not propagate to the root (caplog)
+    try:
+        conn.bind_connector_metadata(VeriCacheMetadata(saves=[SaveSpec("a", PROMPT[:STORED], [0, 1, 2, 3])]))
+        conn.wait_for_save()  # no KV cache registered: a save would have failed reading it
+        assert lines == ["drafter role: 1 saves dropped (lossy KV is never stored)"]
+    finally:
+        worker_module.logger.removeHandler(handler)
         conn.shutdown()
 
 
