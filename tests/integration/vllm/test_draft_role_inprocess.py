@@ -5,7 +5,7 @@ to the store. The live-server test (test_vllm_router.py) checks the router's out
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 
 import pytest
 import torch
@@ -19,33 +19,25 @@ from storage_backends import DualCopyStore  # noqa: E402
 from vericache_connector.compressors import PrefixKV, get_compressor  # noqa: E402
 from vericache_connector.integration.vllm.connector import config as vconfig  # noqa: E402
 from vericache_connector.integration.vllm.connector import drafter  # noqa: E402
-from vericache_connector.integration.vllm.connector.metadata import LoadSpec, VeriCacheMetadata  # noqa: E402
+from vericache_connector.integration.vllm.connector.loads import CompressedOnlyLoad  # noqa: E402
+from vericache_connector.integration.vllm.connector.metadata import LoadSpec, SaveSpec, VeriCacheMetadata  # noqa: E402
 from vericache_connector.integration.vllm.connector.paged_layout import gather_tokens, kv_views  # noqa: E402
 from vericache_connector.integration.vllm.router_plugins import GUARD  # noqa: E402
 
-from stores import drop_memory_store, random_kv  # noqa: E402
+from connector_inprocess import DIM, HEADS, LAYERS, STORED, store_model, wait_for  # noqa: E402
+from stores import random_kv  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
 
 PROMPT = list(range(2000, 2600))  # 600 tokens: 2 whole chunks of 256 stored
-STORED = 512
-LAYERS, HEADS, DIM = 30, 3, 64
 SPEC = get_compressor("kivi4").spec
 
 
-def store_model() -> str:
-    from vericache_connector.model.loader import model_identity, resolve_model_dir
-
-    return model_identity(resolve_model_dir(None), torch.float32)
-
-
 @pytest.fixture
-def store_url(monkeypatch):
-    """A memory store, and a process that passes the drafter role's start-up checks (token, guard)."""
+def store_url(store_url, monkeypatch):
+    """A memory store (conftest.py), and a process that passes the drafter role's start-up checks (token, guard)."""
     monkeypatch.setenv("VERICACHE_ROUTER_TOKEN", "router-token-0123456789abcdef")
     monkeypatch.setattr(vconfig, "_command_lines", lambda: [f"vllm serve m --middleware {GUARD}"])
-    name = f"drafter{time.monotonic_ns()}"
-    yield f"local://{name}"
-    drop_memory_store(name)
+    return store_url
 
 
 async def _seed(url: str, prefix: list[int], compressed: bool = True):
@@ -92,7 +84,7 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
 
     conn = VeriCacheConnector(drafter_config(model_dir, store_url), KVConnectorRole.WORKER, None)
     try:
-        assert isinstance(conn.worker, drafter.DrafterWorker) and conn.draft_handoff is None
+        assert isinstance(conn.worker.loads, CompressedOnlyLoad) and conn.draft_handoff is None
         caches = {
             f"model.layers.{i}.self_attn.attn": torch.zeros(10, HEADS, BLOCK_SIZE, 2 * DIM) for i in range(LAYERS)
         }
@@ -119,13 +111,23 @@ def test_drafter_worker_puts_the_decoded_compressed_copy_into_the_blocks(model_d
         conn.shutdown()
 
 
-def wait_for(fn, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := fn():
-            return got
-        time.sleep(0.05)
-    raise AssertionError("timed out")
+def test_drafter_worker_refuses_saves(model_dir, store_url):
+    """DrafterScheduler sends no saves; one sent anyway is dropped, loudly: lossy KV never reaches the store."""
+    from vericache_connector.integration.vllm.connector import worker as worker_module
+    from vericache_connector.vllm_connector import VeriCacheConnector
+
+    conn = VeriCacheConnector(drafter_config(model_dir, store_url), KVConnectorRole.WORKER, None)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    worker_module.logger.addHandler(handler)  # vLLM's logger does not propagate to the root (caplog)
+    try:
+        conn.bind_connector_metadata(VeriCacheMetadata(saves=[SaveSpec("a", PROMPT[:STORED], [0, 1, 2, 3])]))
+        conn.wait_for_save()  # no KV cache registered: a save would have failed reading it
+        assert lines == ["drafter role: 1 saves dropped (lossy KV is never stored)"]
+    finally:
+        worker_module.logger.removeHandler(handler)
+        conn.shutdown()
 
 
 # ---------------------------------------------------------------- the serve role, as the router's verifier uses it

@@ -111,7 +111,7 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
     the upper half of the full copy's bits, the load fetches the lower half after it and joins them): cold,
     warm, warm batched. The store's reads go through an emulated 16 MB/s link, so a warm request's full copy
     takes about 3 s to load and the proposer pre-drafts on the upper halves meanwhile (with the served
-    model's own modules). The other compressors' load path is checked in-process (test_vllm_connector_inprocess)."""
+    model's own modules). The other compressors' load path is checked in-process (test_connector_worker_inprocess)."""
     ids, _ = prompts
     greedy = reference[0]
     store = f"local://{tmp_path}/kv"

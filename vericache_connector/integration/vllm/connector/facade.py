@@ -9,8 +9,14 @@ Built as vLLM's own connectors are (OffloadingConnector): this class is a thin f
 once per role, config.py's connector_spec resolves vLLM's config into the ConnectorSpec (settings, compressor,
 model name, role) the half for that role is built from, and every call is forwarded to that half:
   scheduler.py  VeriCacheConnectorScheduler: which prompts to load, when a prompt's chunks are saved;
-  worker.py     VeriCacheConnectorWorker: copies between vLLM's blocks and the store;
-  handoff.py    DraftHandoff: compressed copies for the proposer (proposer.py), created here for the
+  load_plan.py  whether a stored prefix is loaded or recomputed (the link's and the prefill's measured rates);
+  worker.py     VeriCacheConnectorWorker: vLLM's worker-side calls, and the saves out of vLLM's blocks;
+  loads.py      its load strategies, one chosen per server from the spec (the full copy streamed, with the
+                compressed copy for the proposer; the drafter role's compressed copy alone), and the
+                compressed copies of computed prefixes; split_load.py: split16's halves;
+  metadata.py   what the scheduler half tells the worker half each step, and back;
+  paged_layout.py  vLLM's paged KV blocks as per-token views; stats.py: the vericache_* metrics;
+  ../handoff.py DraftHandoff: compressed copies for the proposer (../proposer/), created here for the
                 worker role when the speculative config names our proposer.
   drafter.py    the drafter role ("role": "drafter"): compressed copies only, never the full copy, no
                 saves; its output is drafts for `vericache router`, which alone may call it.
@@ -56,15 +62,13 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self.connector_scheduler: VeriCacheConnectorScheduler | None = None
         self.connector_worker: VeriCacheConnectorWorker | None = None
         self.draft_handoff: DraftHandoff | None = None
-        scheduler_cls, worker_cls = VeriCacheConnectorScheduler, VeriCacheConnectorWorker
-        if spec.drafter:
-            scheduler_cls, worker_cls = drafter.DrafterScheduler, drafter.DrafterWorker
         if role == KVConnectorRole.SCHEDULER:
+            scheduler_cls = drafter.DrafterScheduler if spec.drafter else VeriCacheConnectorScheduler
             self.connector_scheduler = scheduler_cls(spec, client)
-        else:
+        else:  # the worker's load strategy follows the spec (the drafter role's: the compressed copy alone)
             self.draft_handoff = DraftHandoff() if spec.runs_proposer else None
             heads, head_dim = mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
-            self.connector_worker = worker_cls(spec, heads, head_dim, client, self.draft_handoff)
+            self.connector_worker = VeriCacheConnectorWorker(spec, heads, head_dim, client, self.draft_handoff)
         logger.info(
             "VeriCacheConnector (%s): store %s, compressor %s, chunk %d%s",
             role.name,

@@ -72,26 +72,40 @@ class _Pending:  # a request whose prompt is not yet saved
     overwrite: bool = False
 
 
+@dataclass
+class _Request:
+    """What the scheduler side knows of one request: from vLLM's first question about it to request_finished."""
+
+    prompt_len: int | None = None  # its stored prefix was decided on: its prefill left is tracked
+    planned: bool = False  # its load-or-recompute decision was logged
+    probing: float | None = None  # waiting for the link's first measure: since when
+    lookup: int | None = None  # stored tokens to load (decided; blocks not yet allocated)
+    pending: _Pending | None = None  # its prompt is not yet saved
+    loaded: int | None = None  # tokens loaded (a loaded request is not saved)
+    repair: bool = False  # its load failed, or its stored copy is broken: save (overwrite) after computing
+    told: bool = False  # seeded sampled: named to the worker (the proposer offers it no drafts)
+
+
 class VeriCacheConnectorScheduler:
     def __init__(self, spec: ConnectorSpec, client: StoreClient):
         self.cfg, self.block_size, self.compressor, self.client = spec.cfg, spec.block_size, spec.compressor, client
         self.spec = spec
         self.planner = LoadPlanner(spec.cfg.chunk_size)
         self._owners: dict[tuple[int, int], _Owner] = {}  # stored prefix -> who brings it in now
-        self._prompt_len: dict[str, int] = {}
+        self._requests: dict[str, _Request] = {}  # req_id -> what is known of it, until request_finished
         self._steps: collections.deque[tuple[float, int]] = collections.deque()  # built, not yet answered
         self._drafts_only: list[LoadSpec] = []  # compressed copies to fetch for recomputed prefixes
-        self._planned: set[str] = set()  # requests whose decision was logged
-        self._probing: dict[str, float] = {}  # requests waiting for the link's first measure: since when
-        self._lookups: dict[str, int] = {}  # req_id -> stored tokens to load
-        self._loads: dict[str, LoadSpec] = {}
-        self._pending: dict[str, _Pending] = {}
-        self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (loaded requests are not saved)
-        self._repair: set[str] = set()  # their load failed: save (overwrite) after computing
+        self._loads: dict[str, LoadSpec] = {}  # this step's loads (allocated), for the next metadata
         self._recent: OrderedDict[tuple[int, int], tuple[str, float]] = OrderedDict()  # (loaded | saved, when)
         self._seeded: list[tuple[int, int]] = []  # seeded sampled requests not told to the worker yet
-        self._told: set[str] = set()
         self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
+
+    def _request(self, rid: str) -> _Request:
+        """`rid`'s record, made when vLLM first asks about it (request_finished drops it)."""
+        req = self._requests.get(rid)
+        if req is None:
+            req = self._requests[rid] = _Request()
+        return req
 
     def _seen(self, prefix: list[int], remember: str | None = None) -> bool:
         """Whether `prefix` was saved or loaded lately (remember="saved" / "loaded": it is now)."""
@@ -119,11 +133,11 @@ class VeriCacheConnectorScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         stored = self.stored_len(prompt)
+        req = self._request(request.request_id)
         if stored <= num_computed_tokens or connector_off(request):
             return 0, False
-        if request.request_id in self._loaded:  # asked again: its load failed; compute, then rewrite
-            del self._loaded[request.request_id]
-            self._repair.add(request.request_id)
+        if req.loaded is not None:  # asked again: its load failed; compute, then rewrite
+            req.loaded, req.repair = None, True
             return 0, False
         try:
             found = self.client.call(self.client.store.lookup(prompt[:stored]))
@@ -142,25 +156,27 @@ class VeriCacheConnectorScheduler:
                 stored,
             )
             self._forget(prompt[:stored])
-            self._repair.add(request.request_id)
+            req.repair = True
             return 0, False
         if found <= num_computed_tokens:
             return 0, False
-        return self._decide(request, prompt, num_computed_tokens, found)
+        return self._decide(request, req, prompt, num_computed_tokens, found)
 
-    def _decide(self, request, prompt: list[int], computed: int, found: int) -> tuple[int | None, bool]:
+    def _decide(self, request, req: _Request, prompt: list[int], computed: int, found: int) -> tuple[int | None, bool]:
         rid = request.request_id
         key = prefix_key(prompt[:found])
         owner = self._owners.get(key)
         if owner is not None and owner.rid != rid and self.spec.prefix_caching:
             if time.monotonic() - owner.since < TWIN_WAIT_S:
                 return None, False  # vLLM's cache gets it from the owner's load or prefill: ask again
-        self._prompt_len[rid] = len(prompt)
+        req.prompt_len = len(prompt)
         if self.spec.load_policy != "always" and self.planner.waits_for_probe(rid):
             now = time.monotonic()
-            if now - self._probing.setdefault(rid, now) < PROBE_WAIT_S:
+            if req.probing is None:
+                req.probing = now
+            if now - req.probing < PROBE_WAIT_S:
                 return None, False  # the first load measures the link within SPELL_S: decide then
-        self._probing.pop(rid, None)
+        req.probing = None
         if self.spec.load_policy == "always":
             load = found - computed
         else:
@@ -170,8 +186,8 @@ class VeriCacheConnectorScheduler:
                 logger.warning("VeriCache load-or-recompute failed (%s: %s): loading", type(e).__name__, e)
                 plan = None
             load = found - computed if plan is None else plan.load
-            if plan is not None and rid not in self._planned:
-                self._planned.add(rid)
+            if plan is not None and not req.planned:
+                req.planned = True
                 self.stats.count("load_decisions", plan.decision)
                 logger.info("VeriCache load-or-recompute: %s: %s", rid, plan.describe())
         self._owners[key] = _Owner(rid, load > 0, time.monotonic())
@@ -187,20 +203,21 @@ class VeriCacheConnectorScheduler:
             return 0, False
         self.planner.prefill_left(rid, len(prompt) - computed - load)
         self.planner.load_started(rid, load)
-        self._lookups[rid] = computed + load
+        req.lookup = computed + load
         return load, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
+        req = self._request(rid)
         prompt = list(request.prompt_token_ids or [])
         sp = getattr(request, "sampling_params", None)
-        if sp is not None and sp.temperature > 0 and sp.seed is not None and rid not in self._told:
-            self._told.add(rid)  # the proposer offers it no drafts (handoff.py): the same output every time
+        if sp is not None and sp.temperature > 0 and sp.seed is not None and not req.told:
+            req.told = True  # the proposer offers it no drafts (handoff.py): the same output every time
             self._seeded.append(row_key(prompt))
         if connector_off(request):
             return
-        if num_external_tokens > 0 and rid in self._lookups:
-            found = self._lookups.pop(rid)
+        if num_external_tokens > 0 and req.lookup is not None:
+            found, req.lookup = req.lookup, None
             self._loads[rid] = LoadSpec(
                 rid,
                 prompt[:found],
@@ -209,18 +226,18 @@ class VeriCacheConnectorScheduler:
                 prompt,
                 getattr(request, "max_tokens", None),
             )
-            self._loaded[rid] = found
+            req.loaded = found
             self._seen(prompt[:found], remember="loaded")
             return
         stored = self.stored_len(prompt)
         if (
             stored > 0
-            and rid not in self._pending
-            and rid not in self._loaded
-            and (rid in self._repair or not self._seen(prompt[:stored]))
+            and req.pending is None
+            and req.loaded is None
+            and (req.repair or not self._seen(prompt[:stored]))
         ):
-            self._pending[rid] = _Pending(prompt, stored, [], overwrite=rid in self._repair)
-            self._repair.discard(rid)
+            req.pending = _Pending(prompt, stored, [], overwrite=req.repair)
+            req.repair = False
 
     def build_connector_meta(self, scheduler_output) -> VeriCacheMetadata:
         meta = VeriCacheMetadata(
@@ -236,24 +253,28 @@ class VeriCacheConnectorScheduler:
         progress: dict[str, tuple[int, list[int] | None]] = {}
         for r in scheduler_output.scheduled_new_reqs:
             progress[r.req_id] = (r.num_computed_tokens, list(r.block_ids[0]))
-            if r.num_computed_tokens < self._loaded.get(r.req_id, 0):  # its load failed past a valid part
+            req = self._requests.get(r.req_id)
+            if req is not None and r.num_computed_tokens < (req.loaded or 0):  # its load failed past a valid part
                 prompt = list(r.prompt_token_ids or [])
-                del self._loaded[r.req_id]
-                self._pending[r.req_id] = _Pending(prompt, self.stored_len(prompt), [], overwrite=True)
+                req.loaded = None
+                req.pending = _Pending(prompt, self.stored_len(prompt), [], overwrite=True)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids and rid in self._pending:  # preempted: all blocks are new
-                self._pending[rid].block_ids = []
+            req = self._requests.get(rid)
+            if rid in cached.resumed_req_ids and req is not None and req.pending is not None:  # preempted: all
+                req.pending.block_ids = []  # blocks are new
             progress[rid] = (cached.num_computed_tokens[i], list(new[0]) if new else None)
         for rid, (computed, _) in progress.items():  # prefill still to compute, for the next decisions
-            if rid in self._prompt_len:
+            req = self._requests.get(rid)
+            if req is not None and req.prompt_len is not None:
                 done = computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
-                self.planner.prefill_left(rid, self._prompt_len[rid] - done)
-                if done >= self._prompt_len[rid] - 1:
+                self.planner.prefill_left(rid, req.prompt_len - done)
+                if done >= req.prompt_len - 1:
                     self._release(rid)
         for rid, (computed, new_blocks) in progress.items():
-            p = self._pending.get(rid)
+            req = self._requests.get(rid)
+            p = None if req is None else req.pending
             if p is None:
                 continue
             if new_blocks:
@@ -263,7 +284,7 @@ class VeriCacheConnectorScheduler:
                     SaveSpec(rid, p.prompt[: p.stored], p.block_ids[: p.stored // self.block_size], p.overwrite)
                 )
                 self._seen(p.prompt[: p.stored], remember="saved")
-                del self._pending[rid]
+                req.pending = None
         return meta
 
     def update_connector_output(self, output) -> None:
@@ -288,16 +309,9 @@ class VeriCacheConnectorScheduler:
             del self._owners[key]
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        for d in (self._pending, self._lookups):
-            d.pop(request.request_id, None)
-        self._loaded.pop(request.request_id, None)
-        self._repair.discard(request.request_id)
-        self._told.discard(request.request_id)
         rid = request.request_id
+        self._requests.pop(rid, None)
         self._release(rid)
         self.planner.forget(rid)
-        self._prompt_len.pop(rid, None)
-        self._planned.discard(rid)
-        self._probing.pop(rid, None)
         self.stats.forget(rid)
         return False, None

@@ -16,8 +16,9 @@ What is counted where (docs/operations.md#metrics has every series and its meani
   scheduler.py  lookups, full-copy hits and misses (one per request: the lookup of its stored prefix), the reason
                 of a miss (read off the store on its loop, after the decision: never on vLLM's step),
                 load-or-recompute decisions (load_plan.py; not with "load_policy": "always"), lookup errors
-  worker.py     bytes read per copy, load seconds, failed loads by reason, compressed-copy hits and misses, saves,
-                bytes written per copy, store errors of loads, fetches and saves
+  worker.py     saves, bytes written per copy; its loads (loads.py, split_load.py): bytes read per copy, load
+                seconds, failed loads by reason, compressed-copy hits and misses; store errors of loads, fetches
+                and saves
   proposer.py   pre-drafted and drafted tokens, tokens vLLM accepted per source (read by the worker half each step)
 """
 
