@@ -166,7 +166,7 @@ def test_handoff_only_with_our_proposer(model_dir, store_url, monkeypatch):
 class RecordingDrafter:
     """Stands in for the proposer on the handoff: records the compressed copies it is given to pre-draft."""
 
-    attached = True
+    attached = wants_copies = True
 
     def __init__(self):
         self.got, self.window = [], True

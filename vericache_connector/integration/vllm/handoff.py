@@ -37,7 +37,8 @@ def row_key(prompt: list[int]) -> tuple[int, int]:
 class Pacing(Protocol):
     """What the connector's worker asks the proposer before and during a load: the one object it asks."""
 
-    attached: bool  # a proposer is attached (drafts on compressed copies can happen)
+    attached: bool  # a proposer is attached that drafts on compressed copies
+    wants_copies: bool  # compressed copies are worth bringing it (attached, or none attached yet: one may be)
 
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool: ...
 
@@ -53,6 +54,7 @@ class NoProposer:
     compressed copy whenever one could help a proposer later, promise no pre-draft, value nothing."""
 
     attached = False
+    wants_copies = True
 
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
         return True

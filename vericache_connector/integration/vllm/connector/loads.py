@@ -176,7 +176,13 @@ class FullCopyLoad:
         """Fetch the compressed copy and hand it to the proposer, which pre-drafts until `loaded`. A missing
         or broken copy only costs the drafts: vLLM decodes without them."""
         ctx, spec = self.ctx, job.spec
-        if ctx.handoff is None or not self._fetches_beside() or ctx.handoff.seeded(spec.prompt):  # no drafts for it
+        handoff = ctx.handoff
+        if (
+            handoff is None
+            or not handoff.pacing.wants_copies
+            or not self._fetches_beside()
+            or handoff.seeded(spec.prompt)
+        ):
             return
         per_token = ctx.compressed_s_per_token
         expected_s = None if per_token is None else per_token * job.n

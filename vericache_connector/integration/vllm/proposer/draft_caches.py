@@ -44,6 +44,7 @@ class DraftCaches:
     def __init__(self, max_len: int, cfg: DraftConfig, pacer: DraftPacer, stats: dict[str, int]):
         self.max_len, self.cfg, self.pacer, self.stats = max_len, cfg, pacer, stats
         self.draft: DraftModel | None = None  # the draft forward (load_model); None: no compressed-KV drafts
+        self.view_drafting = False  # the proposer self-drafts on views of vLLM's KV: no cache built after a load
         self.groups: OrderedDict[int, Group] = OrderedDict()
         self.lock = threading.Lock()  # groups and their chains, shared with the pre-draft thread
         self.building: set[tuple[int, int]] = set()  # (prefix length, hash) of draft caches being built

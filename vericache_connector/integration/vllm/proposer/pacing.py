@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 from ....engine.planner import AcceptanceEstimate, expected_tokens
 
 if TYPE_CHECKING:
+    from .config import ProposerConfig
     from .draft_caches import DraftCaches
 
 MARGIN = 0.05  # drafting must promise this much more throughput than plain decoding
@@ -135,19 +136,7 @@ class DraftPacer:
     def step_s(self, rows: int = 1) -> float | None:
         """t_v(rows): the median step measured at this batch size, else a line through the medians measured
         at other sizes (the nearest one's where only one was), else None."""
-        seen = {b: statistics.median(d) for b, d in self._plain.items() if d}
-        if len(self._plain.get(rows) or ()) >= 3 or (rows in seen and len(seen) == 1):
-            return seen[rows]
-        if not seen:
-            return None
-        if len(seen) == 1:
-            ((b, t),) = seen.items()
-            return t
-        n = len(seen)
-        mb, mt = sum(seen) / n, sum(seen.values()) / n
-        sbb = sum((b - mb) ** 2 for b in seen)
-        slope = sum((b - mb) * (t - mt) for b, t in seen.items()) / sbb if sbb else 0.0
-        return max(min(seen.values()), mt + max(0.0, slope) * (rows - mb))
+        return by_size(self._plain, rows)
 
     @property
     def per_draft_s(self) -> float:
@@ -313,13 +302,14 @@ class BatchSwitch:
 
 class ProposerPacing:
     """The handoff's pacing object (handoff.Pacing) while a proposer is attached: what the connector's worker
-    asks before and during a load, answered by the proposer's DraftPacer where a draft model drafts (none:
-    no pre-draft, no compressed-KV draft, no copy worth fetching for one)."""
+    asks before and during a load, answered by the proposer's DraftPacer for the drafts the proposer offers
+    (ProposerConfig.sources): pre-drafts on a copy that is still loading, compressed-KV drafts on a store copy's
+    draft cache after the load (not where the proposer self-drafts on views of vLLM's own KV: those need no
+    copy). Where it offers neither (n-gram only, or no draft model) it asks for no compressed copy at all."""
 
-    attached = True
-
-    def __init__(self, pacer: DraftPacer, caches: DraftCaches):
+    def __init__(self, pacer: DraftPacer, caches: DraftCaches, config: ProposerConfig | None = None):
         self.pacer, self.caches = pacer, caches
+        self.sources = frozenset(("predraft", "compressed")) if config is None else config.sources
         self.batch = 0  # running requests at the last propose (the proposer's)
 
     @property
@@ -327,14 +317,32 @@ class ProposerPacing:
         """The proposer has a draft model (vLLM's model was handed over: load_model)."""
         return self.caches.draft is not None
 
+    @property
+    def predrafts(self) -> bool:
+        return self.drafting and "predraft" in self.sources
+
+    @property
+    def copies_after_load(self) -> bool:
+        """Compressed-KV drafts after the load come from a store copy's draft cache (not from views)."""
+        return self.drafting and "compressed" in self.sources and not self.caches.view_drafting
+
+    @property
+    def attached(self) -> bool:
+        """The connector brings this proposer compressed copies (split16 loads the upper halves first)."""
+        return self.predrafts or self.copies_after_load
+
+    @property
+    def wants_copies(self) -> bool:
+        return self.attached
+
     def worth_predraft(self, compressed_s: float | None, max_new: int | None) -> bool:
         """The connector asks before it fetches a compressed copy for a pre-draft (DraftPacer.worth_predraft)."""
-        return self.drafting and self.pacer.worth_predraft(compressed_s, max_new)
+        return self.predrafts and self.pacer.worth_predraft(compressed_s, max_new)
 
     def predraft_value(self) -> float | None:
         """Decode seconds pre-drafts saved per second of pre-drafting (what a second of load is worth to the
         connector's load-or-recompute decision); None until measured."""
-        return None if not self.drafting else self.pacer.predraft_value()
+        return None if not self.predrafts else self.pacer.predraft_value()
 
     def drafts_could_pay(self, batch: int | None = None) -> bool:
         """Could a compressed-KV draft made after the load pay at this batch size (default: the batch of the
@@ -342,11 +350,30 @@ class ProposerPacing:
         tens of MB, on the cores vLLM's steps need) is built, and a compressed copy fetched for a recomputed
         prefix (the connector asks), only then; pre-drafts during a load do not ask (they use idle time)."""
         batch = self.batch if batch is None else batch
-        return self.drafting and self.pacer.horizon(new_estimate(), self.pacer.k_max, max(1, batch)) > 0
+        return self.copies_after_load and self.pacer.horizon(new_estimate(), self.pacer.k_max, max(1, batch)) > 0
 
     def worth_predraft_during(self, seconds: float) -> bool:
         """split16's load asks, once the upper halves are in: is the rest's transfer long enough to draft in?"""
-        return self.drafting and self.pacer.worth_predraft_during(seconds)
+        return self.predrafts and self.pacer.worth_predraft_during(seconds)
+
+
+def by_size(samples: dict[int, collections.deque], size: int) -> float | None:
+    """A time at `size` (a batch's rows) from samples by size: the median at that size once it has 3 samples
+    (or is the only size seen), else a line through the medians of the sizes seen (never below the fastest
+    one, never falling with size), else None."""
+    seen = {b: statistics.median(d) for b, d in samples.items() if d}
+    if len(samples.get(size) or ()) >= 3 or (size in seen and len(seen) == 1):
+        return seen[size]
+    if not seen:
+        return None
+    if len(seen) == 1:
+        ((_, t),) = seen.items()
+        return t
+    n = len(seen)
+    mb, mt = sum(seen) / n, sum(seen.values()) / n
+    sbb = sum((b - mb) ** 2 for b in seen)
+    slope = sum((b - mb) * (t - mt) for b, t in seen.items()) / sbb if sbb else 0.0
+    return max(min(seen.values()), mt + max(0.0, slope) * (size - mb))
 
 
 def new_estimate() -> AcceptanceEstimate:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ from ....compressors import CompressedKV
 from ....draft import DraftConfig
 from ..handoff import DraftHandoff, find_handoff
 from .chains import MAX_BRANCHES, Chain
+from .config import ProposerConfig
 from .draft_caches import CACHE_ROOM, MAX_DRAFT_BYTES, MAX_GROUPS, DraftCaches
 from .draft_model import DraftModel, UnsupportedModel
 from .measure import Acceptance, StepMeter, new_stats
@@ -65,6 +67,9 @@ from .ngram import longest_ngram
 from .pacing import BatchSwitch, DraftPacer, ProposerPacing, TargetGate
 from .predraft import Predrafter
 from .rows import RowTracker
+from .runner_state import RunnerState, UnsupportedRunner
+from .view_draft import ViewDrafter
+from .view_pacing import ViewPacer, ViewRows
 
 logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its lines show in the server log
 
@@ -84,16 +89,22 @@ class CompressedKVProposer:
         self.hf_config = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf or {})
         lo, hi = getattr(spec, "prompt_lookup_min", None), getattr(spec, "prompt_lookup_max", None)
         self.ngram = (lo or NGRAM[0], hi or NGRAM[1])
+        self.config = ProposerConfig.from_env()  # which drafts it offers (VERICACHE_DRAFTS, VERICACHE_DRAFT_VIEW)
         self.stats = new_stats()
         self.gate, self.pacer, self.switch = TargetGate(), DraftPacer(self.k), BatchSwitch()
         # the draft model (load_model) and each request's draft caches; their layout, the drafts' weights
         self.caches = DraftCaches(self.max_len, DraftConfig(weights=draft_weights()), self.pacer, self.stats)
         self.predrafter = Predrafter(self.caches, self.gate, self.stats)
-        self.pacing = ProposerPacing(self.pacer, self.caches)  # what the connector's worker asks (handoff.py)
+        self.pacing = ProposerPacing(self.pacer, self.caches, self.config)  # what the connector asks (handoff.py)
         self.acceptance = Acceptance(self.ngram)
         self.meter = StepMeter(self.pacer, self.switch)
         self.rows = RowTracker()  # which request each row is, step to step (rows.py)
         self.handoff: DraftHandoff | None = None
+        # self-drafts on a view of each request's own KV (view_draft.py): vLLM's runner (found in load_model),
+        # the drafter (built once vLLM has allocated its KV cache), their pacing and per-request acceptance
+        self.runner: RunnerState | None = None
+        self.view: ViewDrafter | None = None
+        self.view_pacer, self.view_rows = ViewPacer(self.pacer), ViewRows()
 
     @property
     def accepted(self) -> dict[str, int]:
@@ -109,8 +120,11 @@ class CompressedKVProposer:
         return self.handoff
 
     def load_model(self, target=None, *args, **kwargs) -> None:
-        """vLLM hands over its model: the draft forward runs its modules, gated against its forward."""
-        if self.caches.draft is None and target is not None:
+        """vLLM hands over its model: the draft forward runs its modules, gated against its forward. With
+        self-drafting on, the runner that calls this is found for its KV cache and block table."""
+        if not self.config.uses_compressed_copy:
+            logger.info("VeriCache proposer: n-gram matches only (%s)", ", ".join(sorted(self.config.sources)))
+        elif self.caches.draft is None and target is not None:
             try:
                 draft = self._draft_model(target)
             except (UnsupportedModel, ValueError) as e:
@@ -137,6 +151,16 @@ class CompressedKVProposer:
                     self.k,
                     *self.ngram,
                 )
+                if "compressed" in self.config.sources and self.config.view is not None:
+                    try:
+                        self.runner = RunnerState.of_caller()  # here: the caller's frame is the runner's
+                    except UnsupportedRunner as e:
+                        logger.warning("VeriCache proposer: no self-drafting on views of the KV (%s)", e)
+                    if self.runner is not None:
+                        self.caches.view_drafting = True  # no store-copy draft cache is built after a load
+                        logger.info(
+                            "VeriCache proposer: self-drafts on views of each request's KV: %s", self.config.view
+                        )
         self._find_handoff()
 
     def _draft_model(self, target) -> DraftModel:
@@ -174,8 +198,10 @@ class CompressedKVProposer:
         self.pacing.batch = batch = len(rows)
         allowed = self.meter.allows(batch)  # measured: do drafts raise the output at this batch size?
         self._find_handoff()
+        view = self._view()
+        sources = self.config.sources
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        present, to_draft = set(), []
+        present, to_draft, to_view, running = set(), [], [], set()
         for i, row_np in rows.items():
             room = min(self.k, self.max_len - len(row_np) - 1)
             if room < 1:
@@ -185,6 +211,10 @@ class CompressedKVProposer:
                 self.stats["seeded"] += 1
                 continue
             self.acceptance.ngram(row, ngram_last.get(was[i]))
+            rid = self.runner.req_id(i) if view is not None else None
+            if rid is not None:  # how far vLLM followed this request's view drafts of the last step
+                running.add(rid)
+                self.acceptance.accepted["compressed"] += self.view_rows.account(rid, row)
             group = self.caches.match(row, present, self.handoff, allowed, self.pacing.drafts_could_pay)
             if group is not None:  # the request's draft state: how far vLLM followed its last proposal
                 present.add(id(group))
@@ -195,7 +225,7 @@ class CompressedKVProposer:
                     chain.predrafting = False
                 self.stats["switched_off"] += 1
                 continue
-            n, gram = longest_ngram(row_np, *self.ngram, self.max_len, room)
+            n, gram = longest_ngram(row_np, *self.ngram, self.max_len, room) if "ngram" in sources else (0, [])
             if group is not None and (ahead := self.caches.made(group, row, room)):  # pre-drafts
                 ahead = ahead[: self.pacer.free_horizon(group.estimate, len(ahead), batch)]
                 longer = bool(ahead) and len(gram) > len(ahead) and gram[: len(ahead)] == ahead
@@ -206,7 +236,9 @@ class CompressedKVProposer:
                 out[i] = gram[: self.pacer.free_horizon(self.acceptance.ngram_est[n], len(gram), batch)]
                 self.acceptance.ngram_last[i] = (len(row), list(out[i]), n)
                 self.stats["ngram"] += 1
-            elif group is not None and self.caches.draft is not None:  # compressed-KV drafts, if they pay
+            elif rid is not None:  # self-drafts on a view of the request's own KV: sized together below
+                to_view.append((i, row, min(room, view.room(i, len(row))), rid))
+            elif group is not None and self.caches.draft is not None and "compressed" in sources:  # if they pay
                 x = min(self.pacer.horizon(group.estimate, room, batch), group.capacity - (len(row) - group.prefix_len))
                 if x > 0:
                     to_draft.append((i, group.chains[0], row, x))
@@ -214,12 +246,56 @@ class CompressedKVProposer:
                     self.stats["paced_off"] += 1
         if to_draft:
             self._draft_rows(to_draft, out)
+        if to_view:
+            self._draft_views(to_view, batch, out)
+        if view is not None:
+            self.view_rows.keep(running)
         self.caches.finish_absent(present)
         self.stats["proposals"] += 1
         if self.stats["proposals"] % LOG_EVERY == 0:
-            logger.info("VeriCache proposer: %s, %s; %s", self.stats, self.pacer.describe(), self.switch.describe())
+            logger.info(
+                "VeriCache proposer: %s, %s, %s; %s",
+                self.stats,
+                self.pacer.describe(),
+                self.view_pacer.describe(),
+                self.switch.describe(),
+            )
         self.meter.ended(sum(len(o) for o in out), batch, total)
         return out
+
+    def _view(self) -> ViewDrafter | None:
+        """The view drafter, built at the first propose after vLLM allocated its KV cache (None: no self-drafts)."""
+        if self.view is None and self.runner is not None and self.caches.draft is not None:
+            try:
+                self.runner.layers()  # allocated, and laid out as the drafter reads it
+            except UnsupportedRunner as e:
+                logger.warning("VeriCache proposer: no self-drafting on views of the KV (%s)", e)
+                self.runner, self.caches.view_drafting = None, False
+            else:
+                self.view = ViewDrafter(self.caches.draft.layers, self.runner, self.config.view)
+        return self.view
+
+    def _draft_views(self, rows: list[tuple[int, list[int], int, str]], batch: int, out: list[list[int]]) -> None:
+        """Self-drafts for the rows that had nothing else: one x for all of them (ViewPacer), each at most its room,
+        in batched draft steps over each row's view (ViewDrafter)."""
+        x = self.view_pacer.horizon([self.view_rows.estimate(rid).alpha for *_, rid in rows], self.k, batch)
+        if x < 1:
+            self.stats["paced_off"] += len(rows)
+            return
+        wanted = [(i, row, min(x, room)) for i, row, room, _ in rows if room > 0]
+        if not wanted:
+            return
+        with self.gate.draft():
+            t0 = time.perf_counter()
+            drafts = self.view.draft(wanted)
+            steps = max(len(d) for d in drafts)
+            if steps:
+                self.view_pacer.drafted((time.perf_counter() - t0) / steps, len(wanted))
+        by_index = {i: rid for i, _, _, rid in rows}
+        for (i, row, _), made in zip(wanted, drafts):
+            out[i] = made
+            self.view_rows.proposed(by_index[i], len(row), made)
+            self.stats["drafted"] += len(made)
 
     def _draft_rows(self, rows: list[tuple[int, Chain, list[int], int]], out: list[list[int]]) -> None:
         """x_r compressed-KV drafts for each row, all rows in one forward per draft step."""
