@@ -195,17 +195,19 @@ class Stack:
             await r.cleanup()
 
     async def post(self, body: dict, path: str = "/v1/completions") -> dict:
-        """One request; the answer (streamed: the chunks' token ids joined, and the last chunk)."""
+        """One request; the answer (streamed: the chunks' token ids and texts joined, and the last chunk)."""
         async with aiohttp.ClientSession() as s:
             async with s.post(self.url + path, json=body) as r:
                 if body.get("stream") is not True:
                     return {"status": r.status, **(await r.json(content_type=None))}
-                ids, last = [], None
+                ids, text, last = [], "", None
                 async for line in r.content:
                     if line.startswith(b"data: {"):
                         last = json.loads(line[6:])
-                        ids += last["choices"][0].get("token_ids", []) if "choices" in last else []
-                return {"status": r.status, "ids": ids, "last": last}
+                        for c in last.get("choices", [])[:1]:
+                            ids += c.get("token_ids", [])
+                            text += c.get("text", c.get("delta", {}).get("content", ""))
+                return {"status": r.status, "ids": ids, "text": text, "last": last}
 
 
 async def routed(verifiers, drafters, body: dict, path="/v1/completions", **cfg) -> dict:

@@ -10,8 +10,8 @@ whose answer (vLLM's own status and message for a bad field, plain decoding othe
 Reading too strictly costs only speed; reading more leniently than vLLM would answer what vLLM refuses.
 
 Answers: `Reply` shapes the chunks of a streamed answer and the body of a whole one as vLLM's server
-does; `Text` detokenizes incrementally, holding back (and at the end dropping, as vLLM does) an
-incomplete UTF-8 sequence.
+does; `Text` detokenizes incrementally as vLLM's detokenizer does: after the prompt, holding back (and at
+the end dropping) a token whose text ends in an incomplete UTF-8 sequence.
 """
 
 from __future__ import annotations
@@ -147,19 +147,58 @@ def parse(path: str, body: dict, defaults: dict, vocab: int) -> Parsed | None:
 
 
 class Text:
-    """Incremental detokenization: the text each new chunk of token ids adds, held back while it ends in an
-    incomplete UTF-8 sequence; one still incomplete at the end is dropped, as vLLM's detokenizer does."""
+    """Incremental detokenization as vLLM's detokenizer does it (its fast path, tokenizers' DecodeStream):
+    each token is decoded after the text before it (the prompt, at first), and a token's whole text is held
+    back while the decoded text ends in an incomplete UTF-8 sequence (U+FFFD); it comes out with the token
+    that completes the character, or never: an answer that ends inside a character ends without it.
 
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.text = tokenizer, [], ""
+    `prompt`: the prompt's token ids. A tokenizer with a Rust backend is decoded through it, as vLLM does
+    (no clean-up of tokenization spaces); one with only `decode` through that."""
+
+    def __init__(self, tokenizer, prompt: list[int] = ()):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.decoder = backend if backend is not None else tokenizer
+        self.text = ""  # the answer's text so far
+        # the ids the next token is decoded after (the prompt's at first, then those whose text came out
+        # last, and any held back since); `shown`: what the first `cut` of them decode to, the part of the
+        # next decoding that is not new
+        self.window, self.shown, self.cut = list(prompt), "", 0
 
     def add(self, ids: list[int]) -> str:
-        self.ids += ids
-        new = self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")  # the text up to it
-        if not new.startswith(self.text):
-            return ""
-        delta, self.text = new[len(self.text) :], new
+        delta = "".join(map(self._step, ids))
+        self.text += delta
         return delta
+
+    def _step(self, token: int) -> str:
+        try:
+            return self._next(token)
+        except _Misread:  # vLLM: a fresh stream, without the text before (its "invalid prefix" recovery)
+            self.window, self.shown, self.cut = [], "", 0
+            return self._next(token)
+
+    def _next(self, token: int) -> str:
+        if not self.shown and self.window:  # no text before yet: the window's, unless it ends inside a character
+            before = self._decode(self.window)
+            if not before.endswith("\ufffd"):
+                self.shown, self.cut = before, len(self.window)
+        self.window.append(token)
+        now = self._decode(self.window)
+        if len(now.encode()) <= len(self.shown.encode()) or now.endswith("\ufffd"):
+            return ""  # nothing new yet, or it ends inside a character: held back
+        if not now.startswith(self.shown):
+            raise _Misread
+        new = now[len(self.shown) :]
+        # the next token is decoded after the ids added since the last text came out
+        self.window, self.cut = self.window[self.cut :], len(self.window) - self.cut
+        self.shown = self._decode(self.window)
+        return new
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.decoder.decode(ids, skip_special_tokens=True)
+
+
+class _Misread(Exception):
+    """The text before the new token decodes differently with it (vLLM resets its stream then)."""
 
 
 class Reply:

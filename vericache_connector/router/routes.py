@@ -110,7 +110,7 @@ class Routes:
         )
         out: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(decode.run(out))
-        text, resp = Text(router.tokenizer), None
+        text, resp = Text(router.tokenizer, ids), None
         served_as["stats"] = decode.stats
         try:
             if req.stream:
