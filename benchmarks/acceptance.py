@@ -39,18 +39,22 @@ replay:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import gc
 import json
 import shlex
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
 
 DEFAULT_COMPRESSORS = [
     "streamingllm-4x",
@@ -161,8 +165,7 @@ def plot(rows, names, xs, key, ylabel, path, diagonal=False):
 def real_check(engine, orc, prefill, copies, ref, args, chunk) -> dict:
     """One real batched VeriCache run over this chunk's copies of one prompt at x = --check-x: per
     compressor, whether the output is the full-KV greedy output and the rounds are the derived ones."""
-    import acceptance_oracle as O
-
+    from benchmarks import acceptance_oracle as O
     from vericache_connector.engine import DecodeConfig
     from vericache_connector.engine.speculative import speculative_decode
 
@@ -194,10 +197,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if min(args.xs) < 1 or args.new_tokens < 2 or not 0 <= args.check_x <= max(args.xs):
         raise SystemExit("need horizons >= 1, --new-tokens >= 2 and 0 <= --check-x <= max(--xs)")
-    bench_paths.setup()
-    import acceptance_oracle as O
+    paths.setup()
     import torch
 
+    from benchmarks import acceptance_oracle as O
     from vericache_connector.compressors import get_compressor
     from vericache_connector.data.chat_prompts import load_any_prompt
     from vericache_connector.draft import DraftConfig

@@ -18,11 +18,10 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from cost_model import Hardware, Model
+from benchmarks.cost_model import Hardware, Model
+from benchmarks.kit import paths
 
-import bench_paths
-
-bench_paths.setup()
+paths.setup()
 from vericache_connector.engine import capacity as C  # noqa: E402
 
 fit_alpha = C.fit_alpha

@@ -32,14 +32,18 @@ ratios (streamingllm, snapkv, tova, knorm) do not depend on the dtype.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 GBIT = 1e9 / 8
 
@@ -321,7 +325,7 @@ def main(argv=None) -> int:
 def measured_alphas(path: Path | None) -> tuple[str, dict[str, tuple[float, int, float]]]:
     """Per compressor (a, k, mean accepted) from acceptance.py's results.json (the newest under results/acceptance
     with horizons >= 32 when path is None): a fitted at the largest horizon measured (<= 64)."""
-    from capacity_model import fit_alpha
+    from benchmarks.capacity_model import fit_alpha
 
     files = [path] if path else sorted(Path("results/acceptance").glob("*/results.json"), reverse=True)
     for f in files:
@@ -347,7 +351,7 @@ def serving_main(args, argv) -> int:
     """The capacity model (engine/capacity.py, capacity_model.py): the paper's table next to its prediction, the
     GPUs with our measured acceptance per compressor, and (given a serving.py results.json) a check against
     that CPU run."""
-    import capacity_model as cap
+    from benchmarks import capacity_model as cap
 
     cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     paper, paper_preds = cap.paper_rows()
@@ -423,7 +427,7 @@ def serving_main(args, argv) -> int:
 
 def cpu_check(path: Path) -> tuple[list[dict], list, str]:
     """The capacity model checked against a CPU serving run, then applied to the H200 with its acceptance."""
-    from capacity_model import predict_serving, serving_table
+    from benchmarks.capacity_model import predict_serving, serving_table
 
     run = json.loads(Path(path).read_text())
     rows = [r for r in run["rows"] if r["sweep"] == "budget"]
@@ -521,7 +525,7 @@ def compression_of(spec: str, draft_over_full: float) -> float:
     resident_fraction): quantizers' packed codes and scales against the full KV's element size (CPU float32 when
     draft_over_full < 1, else bf16); token dropping's kept fraction times draft / full bytes per element (CPU: a
     float16 draft pool against float32 full KV = 0.5; GPU bf16: 1)."""
-    from capacity_model import resident_fraction
+    from benchmarks.capacity_model import resident_fraction
 
     c, reload_fraction = resident_fraction(spec, head_dim=64, kv_elem_bytes=2 if draft_over_full >= 1 else 4)
     return c * draft_over_full if reload_fraction < 1 else c

@@ -32,6 +32,12 @@ verifier server's own greedy output. Each vLLM server takes about 3 GB: keep --d
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import concurrent.futures
 import json
@@ -41,12 +47,10 @@ import random
 import secrets
 import shlex
 import signal
-import sys
 import time
 import uuid
-from pathlib import Path
 
-import bench_paths
+from benchmarks.kit import paths
 
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32 (checked against the model below)
 METHODS = ("full-kv", "verified", "recompute")
@@ -107,7 +111,7 @@ class Cluster:
         return procs.node_env(self.store, {"VERICACHE_VERIFIER_TOKEN": self.token, **self.keys})
 
     def cores(self, name: str) -> list[int] | None:
-        from disaggregated_vllm import pin_cores
+        from benchmarks.disaggregated_vllm import pin_cores
 
         return pin_cores(self.args.pin, name)
 
@@ -167,8 +171,7 @@ BACKENDS = {
 def make_cluster(args, store: str, logs: Path, token: str):
     if args.backend == "engine":
         return Cluster(args, store, logs, token)
-    from disaggregated_vllm import VLLMCluster
-
+    from benchmarks.disaggregated_vllm import VLLMCluster
     from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
 
     scale = 1.0 if args.scale_to == "none" else KV_BYTES_PER_TOKEN / REF_KV_BYTES_PER_TOKEN[args.scale_to]
@@ -385,7 +388,7 @@ def plots(summary, rates, out: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     # `timeout` sends SIGTERM: exit through the finally below, so the verifier and drafters are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -33,18 +33,22 @@ Writes results/engine_step_time/<stamp>/: command.txt, results.json, table.md, s
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
 
 DEFAULT_COMPRESSORS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"]
 
@@ -309,7 +313,7 @@ def table(rows, header: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench_paths.setup()
+    paths.setup()
     from vericache_connector.engine import VeriCacheEngine
 
     torch.set_num_threads(args.threads)

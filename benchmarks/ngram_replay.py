@@ -18,15 +18,19 @@ Writes results/ngram_replay/<stamp>/: results.json (a top-level "summary": one e
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
-import bench_paths
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-ROOT = bench_paths.setup()
+import argparse
+import json
+import time
+
+from benchmarks.kit import paths
+
+ROOT = paths.setup()
 
 
 def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: int) -> dict[int, list[int]]:

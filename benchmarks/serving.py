@@ -23,6 +23,12 @@ throughput is its output tokens over its wall time (prefill replay, compression 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import dataclasses
 import hashlib
@@ -31,13 +37,11 @@ import os
 import random
 import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
 
 EMULATED = (
     "CPU proxy: the device KV budget is a byte cap on the resident caches and the host link is EMULATED on the CPU "
@@ -46,7 +50,7 @@ EMULATED = (
 
 
 def parse_args(argv=None):
-    bench_paths.setup()
+    paths.setup()
     from vericache_connector.engine.config import POLICIES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,7 +264,7 @@ def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench_paths.setup()
+    paths.setup()
     import torch
 
     if args.kinds is not None:

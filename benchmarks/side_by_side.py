@@ -24,18 +24,22 @@ KV for the same token count over the stated real link. Compute is NOT scaled (CP
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import asyncio
 import json
 import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
 
 REF_KV_BYTES_PER_TOKEN = {
     "llama3-8b": 32 * 8 * 128 * 2 * 2,
@@ -536,7 +540,7 @@ def plots(rows, ks, out: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     import torch
 

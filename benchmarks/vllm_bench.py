@@ -34,6 +34,12 @@ replicas behind a prefix-aware proxy (issue 39's workload: --documents 4 --doc-t
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import gzip
 import json
@@ -44,14 +50,12 @@ import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import bench_paths
+from benchmarks.kit import paths
 
 OPENMP = ("intel", "gnu")
 
@@ -142,7 +146,7 @@ class Configuration:
 
     def servers(self, ctx: Context) -> dict[str, object]:
         """name -> ServerConfig of every vLLM server this configuration starts."""
-        from vllm_server import ServerConfig
+        from benchmarks.kit.vllm_server import ServerConfig
 
         a = ctx.args
         env = dict(self.env)
@@ -202,7 +206,7 @@ CONFIGURATIONS = (
 
 
 def _topology():
-    from vllm_bench_router import TOPOLOGY
+    from benchmarks.vllm_bench_router import TOPOLOGY
 
     return TOPOLOGY
 
@@ -215,7 +219,7 @@ PLAIN = "plain vLLM"
 
 
 def start_server(stack: ExitStack, cfg, log_path: Path) -> str:
-    from vllm_server import VLLMServer
+    from benchmarks.kit.vllm_server import VLLMServer
 
     srv = stack.enter_context(VLLMServer(cfg, log_path=str(log_path)))
     srv.complete(list(range(1000, 1064)), 4)  # first-request overheads out of the timings; unrelated to the prompts
@@ -224,7 +228,7 @@ def start_server(stack: ExitStack, cfg, log_path: Path) -> str:
 
 def writer_config(ctx: Context):
     """The store writer: a connector server with no link limit."""
-    from vllm_server import ServerConfig
+    from benchmarks.kit.vllm_server import ServerConfig
 
     return ServerConfig(
         ctx.model,
@@ -381,7 +385,7 @@ def write_dataset(workload: Workload, path: Path, new: int) -> None:
 
 def link_scale(args) -> float:
     """The emulated link's bytes/s per Gbit/s stated, relative to 1e9 / 8 (--scale-to)."""
-    from vllm_bench_router import scale
+    from benchmarks.vllm_bench_router import scale
 
     return scale(args)
 
@@ -801,7 +805,7 @@ def plot(summary: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -905,7 +909,7 @@ def main(argv=None) -> int:
 def write_store(args, model: str, max_len: int, work: Workload, store_dir: Path, log_dir: Path) -> None:
     """A connector server with no link limit serves each document's first question once; its saves logged,
     it stops. The store directory is what every measured connector server copies."""
-    from vllm_server import VLLMServer, post_json
+    from benchmarks.kit.vllm_server import VLLMServer, post_json
 
     store_dir.mkdir(parents=True)
     ctx = Context(args, model, max_len, store_url=f"local://{store_dir}", log_dir=log_dir, name="store-writer")

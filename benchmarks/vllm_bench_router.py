@@ -57,7 +57,7 @@ class RouterTopology:
     alternative: bool = True
 
     def servers(self, ctx) -> dict[str, object]:
-        from vllm_server import ServerConfig
+        from benchmarks.kit.vllm_server import ServerConfig
 
         a, n = ctx.args, ctx.args.drafters
         rate = None if ctx.gbits is None else ctx.gbits * 1e9 / 8 * scale(a)
@@ -102,9 +102,8 @@ class RouterTopology:
 
     def launch(self, stack: ExitStack, ctx) -> str:
         """The vLLM servers (started side by side, each pinned), then the router in front of them."""
+        from benchmarks.kit.vllm_server import VLLMServer
         from vericache_connector.demo import procs
-
-        from vllm_server import VLLMServer
 
         configs = self.servers(ctx)
         started: dict[str, object] = {}

@@ -19,20 +19,24 @@ machine (the load average is recorded).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
 import re
 import shlex
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
 
 CONFIGS = ("connector", "connector + ngram", "connector + proposer")
 
@@ -65,7 +69,7 @@ def parse_args(argv=None):
 
 
 def server_config(args, model: str, store_dir: str, label: str, gbits: float | None):
-    from vllm_server import ServerConfig
+    from benchmarks.kit.vllm_server import ServerConfig
 
     max_len = args.max_tokens + args.new + max(args.spec_k, args.ngram_k) + 64
     if label == "plain vLLM":
@@ -85,7 +89,7 @@ def server_config(args, model: str, store_dir: str, label: str, gbits: float | N
 def serve(cfg, prompts: dict, new: int, phases: list[str], bar, rounds: int = 1) -> dict:
     """Every prompt in each phase, one request at a time (a warm phase `rounds` times: the mean of its
     times, and tokens that differ from the first round's if any round's do); the server's log lines."""
-    from vllm_server import VLLMServer
+    from benchmarks.kit.vllm_server import VLLMServer
 
     out = {}
     with VLLMServer(cfg) as srv:
@@ -120,7 +124,7 @@ def wait_saves(srv, count: int, timeout_s: float = 300) -> None:
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     from vericache_connector.data import load_prompts
     from vericache_connector.engine import VeriCacheEngine

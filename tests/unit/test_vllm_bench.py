@@ -4,14 +4,10 @@ on fakes (no server, no model)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import vllm_bench  # noqa: E402
+from benchmarks import vllm_bench
 
 NEW = 4
 TEXTS = ["alpha beta", "gamma delta", "alpha beta", "epsilon zeta"]

@@ -1,6 +1,7 @@
 """Start vLLM's OpenAI server on 127.0.0.1 with (or without) the VeriCache connector, and talk to it.
 
-Used by the tests and benchmarks/vllm_serve.py; handy by hand too:
+Used by the vLLM benchmarks (vllm_serve.py, vllm_bench.py) and the tests (`from benchmarks.kit.vllm_server
+import ...`); handy by hand too:
 
     with VLLMServer(ServerConfig(model_dir, store="local:///tmp/kv", spec_k=8)) as srv:
         out = srv.complete(prompt_ids, max_tokens=32)        # .token_ids .ttft_s .total_s
@@ -113,6 +114,7 @@ class Completion:
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (this module's own copy: benchmarks import nothing from tests/support)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
