@@ -48,13 +48,15 @@ if not __package__:  # run as a file (python benchmarks/<script>.py): import fro
 import argparse
 import gc
 import json
-import shlex
 import time
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage
+from benchmarks.kit.plots import pyplot, save
+from benchmarks.kit.results import Results
 
 DEFAULT_COMPRESSORS = [
     "streamingllm-4x",
@@ -138,11 +140,7 @@ def ideal_speedup(acc, drafted, c_draft, costs) -> float:
 
 
 def plot(rows, names, xs, key, ylabel, path, diagonal=False):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
     cmap = plt.get_cmap("tab20")
     for i, name in enumerate(names):
@@ -157,9 +155,7 @@ def plot(rows, names, xs, key, ylabel, path, diagonal=False):
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def real_check(engine, orc, prefill, copies, ref, args, chunk) -> dict:
@@ -206,7 +202,7 @@ def main(argv=None) -> int:
     from vericache_connector.draft import DraftConfig
     from vericache_connector.engine import DecodeConfig, VeriCacheEngine
 
-    started = time.perf_counter()
+    started, load = time.perf_counter(), LoadAverage().start()
     xs, n_new, k_max = sorted(set(args.xs)), args.new_tokens, max(args.xs)
     comps = [get_compressor(c) for c in args.compressors]
     draft = DraftConfig(args.draft_layout, args.draft_dtype, weights=args.draft_weights)
@@ -278,20 +274,17 @@ def main(argv=None) -> int:
                     {"compressor": comp.spec, "name": name, "k": x, "prompt": pn, "accepted": acc[j], "drafted": dr[j]}
                 )
 
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    out = Results.create(args.out, argv)
+    cmd = out.command
     lens = [p.num_tokens for p in pre]
     wall = time.perf_counter() - started
     table = render_table(args, rows, checks, lens, costs, engine, cmd, wall, torch.get_num_threads())
     prompts = [{"name": n, "tokens": t} for n, t in zip(args.prompts, lens)]
-    (out / "table.md").write_text(table + "\n")
-    (out / "command.txt").write_text(cmd + "\n")
-    (out / "traces.json").write_text(
-        json.dumps({"model": engine.model_name, "new_tokens": n_new, "prompts": prompts, "runs": runs}) + "\n"
+    out.write_json(
+        "traces.json", {"model": engine.model_name, "new_tokens": n_new, "prompts": prompts, "runs": runs}, None
     )
     doc = {"command": cmd, "seconds": wall, "prompts": prompts, "costs": costs, "checks": checks, "rows": rows}
-    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    out.write(doc | {"load_avg": load.stop()}, table, indent=1)
     names = list(args.compressors)
     plot(rows, names, xs, "mean_accepted", "mean accepted length (drafts per round)", out / "mean_accepted.png", True)
     plot(rows, names, xs, "acceptance_rate", "acceptance rate (accepted / drafted)", out / "acceptance_rate.png")

@@ -42,8 +42,10 @@ import argparse
 import json
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass
+
+from benchmarks.kit.report import markdown
+from benchmarks.kit.results import Results, command_line
 
 GBIT = 1e9 / 8
 
@@ -241,19 +243,16 @@ def load_measured(path: Path, ks: list[int] | None = None) -> list[Drafting]:
 
 
 def table(preds: list[Prediction]) -> str:
-    lines = [
-        "| model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms "
-        "| VC ms/tok | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup** |",
-        "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    header = "model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms | VC ms/tok"
+    header += " | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup**"
+    rows = [
+        [p.model, p.hardware, p.link, p.compressor, p.k, p.context, p.batch, "yes" if p.fits else "NO"]
+        + [f"{p.full_step_ms:.2f}", f"{p.draft_step_ms:.2f}", f"{p.verify_step_ms:.2f}", f"{p.vc_token_ms:.2f}"]
+        + [f"**{p.decode_speedup:.2f}x**", f"{p.transfer_full_s:.3f}", f"{p.ttft_full_s:.3f}", f"{p.ttft_vc_s:.3f}"]
+        + [f"**{p.e2e_speedup:.2f}x**"]
+        for p in preds
     ]
-    for p in preds:
-        lines.append(
-            f"| {p.model} | {p.hardware} | {p.link} | {p.compressor} | {p.k} | {p.context} | {p.batch} "
-            f"| {'yes' if p.fits else 'NO'} | {p.full_step_ms:.2f} | {p.draft_step_ms:.2f} "
-            f"| {p.verify_step_ms:.2f} | {p.vc_token_ms:.2f} | **{p.decode_speedup:.2f}x** "
-            f"| {p.transfer_full_s:.3f} | {p.ttft_full_s:.3f} | {p.ttft_vc_s:.3f} | **{p.e2e_speedup:.2f}x** |"
-        )
-    return "\n".join(lines)
+    return markdown(header.split(" | "), "llllrrrlrrrrrrrrr", rows)
 
 
 def main(argv=None) -> int:
@@ -300,7 +299,7 @@ def main(argv=None) -> int:
         for t in args.context
         for b in args.batch
     ]
-    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line(argv)
     src = args.measured or "built-in figures"
     head = (
         f"Cost model (roofline, memory-bound decode; see benchmarks/cost_model.py). Acceptance and compression "
@@ -308,15 +307,8 @@ def main(argv=None) -> int:
         f"{'over ' + args.compressed_local + ' in parallel' if args.compressed_local else 'first, on the same link'}. Command: `{cmd}`"
     )
     text = head + "\n\n" + table(preds)
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(
-        json.dumps(
-            {"command": cmd, "drafting": [asdict(d) for d in drafts], "rows": [asdict(x) for x in preds]}, indent=2
-        )
-    )
-    (out / "command.txt").write_text(cmd + "\n")
+    out = Results.create(args.out, command=cmd)
+    out.write({"command": cmd, "drafting": [asdict(d) for d in drafts], "rows": [asdict(x) for x in preds]}, text)
     print(json.dumps([asdict(x) for x in preds], indent=2) if args.json else text)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -353,7 +345,7 @@ def serving_main(args, argv) -> int:
     that CPU run."""
     from benchmarks import capacity_model as cap
 
-    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line(argv)
     paper, paper_preds = cap.paper_rows()
     lines = [
         f"Capacity model (vericache_connector/engine/capacity.py). Command: `{cmd}`",
@@ -405,10 +397,7 @@ def serving_main(args, argv) -> int:
         checks, h200, text = cpu_check(args.serving)
         lines += ["", text]
     text = "\n".join(lines)
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    (out / "command.txt").write_text(cmd + "\n")
+    out = Results.create(args.out, command=cmd)
     doc = {
         "command": cmd,
         "paper": paper,
@@ -419,7 +408,7 @@ def serving_main(args, argv) -> int:
         "checks": checks,
         "summary": [cap.as_dict(p) for p in h200],
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    out.write(doc, text)
     print(json.dumps(doc, indent=2) if args.json else text)
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -41,7 +41,6 @@ if not __package__:  # run as a file (python benchmarks/<script>.py): import fro
 
 import argparse
 import json
-import shlex
 import statistics
 import time
 
@@ -49,6 +48,9 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage
+from benchmarks.kit.plots import pyplot, save
+from benchmarks.kit.results import Results
 
 DEFAULT_COMPRESSORS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"]
 
@@ -253,11 +255,7 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
 
 def plot(rows, path: Path) -> None:
     """One panel per (ratio, context): groups = compressors, one bar colour per draft variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     contexts = sorted({r["context"] for r in rows})
     rest = [r for r in rows if r["variant"] != "full"]
     group = lambda r: "uncompressed" if r["compressor"] == "-" else r["compressor"]  # noqa: E731
@@ -284,9 +282,7 @@ def plot(rows, path: Path) -> None:
             ax.grid(axis="y", alpha=0.3)
         axes[row][0].set_ylabel("time ratio (lower is faster)")
     axes[0][-1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def table(rows, header: str) -> str:
@@ -317,6 +313,7 @@ def main(argv=None) -> int:
     from vericache_connector.engine import VeriCacheEngine
 
     torch.set_num_threads(args.threads)
+    load = LoadAverage().start()
     engine = VeriCacheEngine.from_pretrained(args.model)
     for t in args.contexts:
         engine.check_length(t - 1, 1)
@@ -330,15 +327,14 @@ def main(argv=None) -> int:
         for t in args.contexts:
             bar.set_postfix(context=t)
             rows += time_context(engine, t, args, bar)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    out = Results.create(args.out, argv)
+    cmd = out.command
     header = (
         f"One decode step (batch 1, {engine.model_name}, {engine.model.dtype}, {engine.model.device}, "
         f"{args.threads} threads, torch {torch.__version__}); medians of {args.steps} round-robin steps. "
         f"step = whole forward (reads all weights too), attn = the 30 layers' cache.attend only. "
         f"Ratios over the full-KV step at the same T. Command: `{cmd}`"
     )
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": cmd,
         "device": str(engine.model.device),
@@ -346,10 +342,9 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "model": engine.model_name,
         "rows": rows,
+        "load_avg": load.stop(),
     }
-    (out / "command.txt").write_text(cmd + "\n")
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    (out / "table.md").write_text(table(rows, header) + "\n")
+    out.write(doc, table(rows, header))
     plot(rows, out / "step_ratio.png")
     print(json.dumps(doc, indent=2) if args.json else table(rows, header))
     print(f"wrote {out}", file=sys.stderr)

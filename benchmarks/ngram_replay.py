@@ -26,9 +26,11 @@ if not __package__:  # run as a file (python benchmarks/<script>.py): import fro
 
 import argparse
 import json
-import time
 
 from benchmarks.kit import paths
+from benchmarks.kit.plots import pyplot, save
+from benchmarks.kit.report import markdown
+from benchmarks.kit.results import Results
 
 ROOT = paths.setup()
 
@@ -92,40 +94,25 @@ def main(argv=None) -> int:
         {"n": n, "positions": c[0], "p_first_i_right": [round(x / c[0], 4) for x in c[1:]]}
         for n, c in sorted(counts.items(), reverse=True)
     ]
-    out = args.out / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    head = "| match length | positions | " + " | ".join(f"first {i} right" for i in range(1, args.k + 1)) + " |"
-    lines = [
+    out = Results.create(args.out, argv)
+    head = ["match length", "positions", *(f"first {i} right" for i in range(1, args.k + 1))]
+    text = (
         f"{total} output positions of {len(rows)} requests ({client.name}); vLLM's n-gram matcher, "
-        f"{args.k} drafts per position, longest match first:",
-        "",
-        head,
-        "|---:|---:|" + "---:|" * args.k,
-        *(
-            f"| {s['n']} | {s['positions']} | " + " | ".join(f"{x:.2f}" for x in s["p_first_i_right"]) + " |"
-            for s in summary
-        ),
-    ]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(
-        json.dumps({"summary": summary, "run": str(args.run), "client": client.name, "positions": total}, indent=1)
+        f"{args.k} drafts per position, longest match first:\n\n"
     )
-    (out / "command.txt").write_text(" ".join([sys.executable, *sys.argv]) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    text += markdown(
+        head, "r" * len(head), [[s["n"], s["positions"], *(f"{x:.2f}" for x in s["p_first_i_right"])] for s in summary]
+    )
+    out.write({"summary": summary, "run": str(args.run), "client": client.name, "positions": total}, text, indent=1)
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for s in summary:
         ax.plot(
             range(1, args.k + 1), s["p_first_i_right"], marker="o", label=f"{s['n']}-token match ({s['positions']})"
         )
     ax.set(xlabel="drafts i", ylabel="P(first i drafts right)", ylim=(0, 1), title="vLLM n-gram drafts by match length")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "acceptance.png", dpi=120)
-    print("\n".join(lines))
+    save(fig, out / "acceptance.png")
+    print(text)
     print(f"results: {out}")
     return 0
 
