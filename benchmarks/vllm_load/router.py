@@ -24,16 +24,11 @@ import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+from benchmarks.vllm_load.configs import link_bytes_per_s
+
 VERIFY = "vericache_connector.vllm_router.VerifyRoute"
 GUARD = "vericache_connector.vllm_router.RouterOnly"
-KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32
 TOKEN = secrets.token_hex(16)  # the router token of this run (drafter-role servers answer only with it)
-
-
-def scale(args) -> float:
-    from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
-
-    return 1.0 if args.scale_to == "none" else KV_BYTES_PER_TOKEN / REF_KV_BYTES_PER_TOKEN[args.scale_to]
 
 
 def cores(ctx, role: str) -> list[int] | None:
@@ -60,7 +55,7 @@ class RouterTopology:
         from benchmarks.kit.vllm_server import ServerConfig
 
         a, n = ctx.args, ctx.args.drafters
-        rate = None if ctx.gbits is None else ctx.gbits * 1e9 / 8 * scale(a)
+        rate = link_bytes_per_s(ctx)
 
         def server(role: str, **kw) -> ServerConfig:
             pinned = cores(ctx, role)
