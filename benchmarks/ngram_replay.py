@@ -1,6 +1,6 @@
 """How often vLLM's prompt-lookup (n-gram) drafts are right, by the length of the match behind them, replayed
-over the outputs of a served-load run (benchmarks/vllm_bench.py's results folder: its dataset.jsonl and one
-client JSON with generated texts, by default plain vLLM's at the highest concurrency).
+over the outputs of a served-load run (a benchmarks/vllm_bench.py results folder: its prompts and one run's
+generated texts from its results.json, by default plain vLLM's at the highest concurrency; vllm_load/saved.py).
 
 At every output position of every request, vLLM's own matcher (the `ngram` method's) is asked for --k drafts
 on the tokens so far, longest match first (--max-n down to --min-n, as the proposer asks it); the drafts are
@@ -25,12 +25,12 @@ if not __package__:  # run as a file (python benchmarks/<script>.py): import fro
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
-import json
 
 from benchmarks.kit import paths
 from benchmarks.kit.plots import pyplot, save
 from benchmarks.kit.report import markdown
 from benchmarks.kit.results import Results
+from benchmarks.vllm_load import saved
 
 ROOT = paths.setup()
 
@@ -59,7 +59,9 @@ def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("run", type=Path, help="a results/vllm_bench/<stamp> folder")
-    ap.add_argument("--client", help="its client JSON under clients/ (default: plain vLLM's, highest concurrency)")
+    ap.add_argument(
+        "--client", help="a run of it, e.g. r0-c8-nolink-plain (default: plain vLLM's, highest concurrency)"
+    )
     ap.add_argument("--min-n", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--max-n", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--k", type=int, default=8, help="drafts per position")
@@ -68,21 +70,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.min_n <= args.max_n or args.k < 1:
         raise ValueError(f"need 1 <= --min-n <= --max-n and --k >= 1, got {args.min_n}, {args.max_n}, {args.k}")
-    dataset = args.run / "dataset.jsonl"
-    clients = sorted(
-        (args.run / "clients").glob("*plain*.json"), key=lambda p: int(p.name.split("-c")[1].split("-")[0])
-    )
-    client = args.run / "clients" / args.client if args.client else (clients[-1] if clients else None)
-    if not dataset.exists() or client is None or not client.exists():
-        raise ValueError(f"{args.run} has no dataset.jsonl or no client JSON ({args.client or 'plain vLLM'})")
+    doc = saved.load(args.run)
+    client, texts = saved.texts_of(doc, args.client)
 
     from transformers import AutoTokenizer
 
     from vericache_connector.model.loader import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(args.model or resolve_model_dir(None))
-    prompts = [json.loads(line)["prompt"] for line in dataset.read_text().splitlines() if line.strip()]
-    texts = json.loads(client.read_text())["generated_texts"]
+    prompts = saved.prompts_of(args.run, doc, tok)
     rows = []
     for p, g in zip(prompts, texts):
         ids = tok(p)["input_ids"]
@@ -97,13 +93,13 @@ def main(argv=None) -> int:
     out = Results.create(args.out, argv)
     head = ["match length", "positions", *(f"first {i} right" for i in range(1, args.k + 1))]
     text = (
-        f"{total} output positions of {len(rows)} requests ({client.name}); vLLM's n-gram matcher, "
+        f"{total} output positions of {len(rows)} requests ({client}); vLLM's n-gram matcher, "
         f"{args.k} drafts per position, longest match first:\n\n"
     )
     text += markdown(
         head, "r" * len(head), [[s["n"], s["positions"], *(f"{x:.2f}" for x in s["p_first_i_right"])] for s in summary]
     )
-    out.write({"summary": summary, "run": str(args.run), "client": client.name, "positions": total}, text, indent=1)
+    out.write({"summary": summary, "run": str(args.run), "client": client, "positions": total}, text, indent=1)
     fig, ax = pyplot().subplots(figsize=(6, 4))
     for s in summary:
         ax.plot(

@@ -23,6 +23,26 @@ from benchmarks.kit.paths import ROOT
 LOGS = "logs"  # raw material under a results folder: ignored by git (.gitignore)
 
 
+def to_json(obj, indent: int | None = 2, _level: int = 0) -> str:
+    """JSON as json.dumps(obj, indent=indent) writes it, but a list of numbers (or of short strings: names,
+    digests) on one line: per-request figures stay readable and small."""
+    if indent is None:
+        return json.dumps(obj)
+    pad, end = " " * indent * (_level + 1), " " * indent * _level
+    if isinstance(obj, dict) and obj:
+        items = (f"{pad}{json.dumps(str(k))}: {to_json(v, indent, _level + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + "\n" + end + "}"
+    if isinstance(obj, (list, tuple)) and obj and not _flat(obj):
+        return "[\n" + ",\n".join(pad + to_json(x, indent, _level + 1) for x in obj) + "\n" + end + "]"
+    return json.dumps(obj)
+
+
+def _flat(items) -> bool:
+    if all(x is None or isinstance(x, (bool, int, float)) for x in items):
+        return True
+    return all(isinstance(x, str) and len(x) <= 16 for x in items)
+
+
 def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
@@ -72,7 +92,7 @@ class Results:
 
     def write_json(self, name: str, doc, indent: int | None = 2) -> Path:
         path = self.path / name
-        path.write_text(json.dumps(doc, indent=indent) + "\n")
+        path.write_text(to_json(doc, indent) + "\n")
         return path
 
     def __str__(self) -> str:

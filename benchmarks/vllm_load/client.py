@@ -21,7 +21,10 @@ CLIENT = (
 )
 METRICS = ("output_throughput", "mean_ttft_s", "p90_ttft_s", "mean_tpot_ms", "mean_e2e_s", "p90_e2e_s")
 # per request, in the dataset's order (the client's detailed JSON; its per-token itls stay in the raw file)
-PER_REQUEST = ("input_lens", "output_lens", "ttfts", "latencies", "start_times", "queue_times")
+PER_REQUEST = ("input_lens", "output_lens", "ttfts", "latencies", "start_times")
+# its run-wide figures: counts, throughput, mean / median / p90 of each metric (ms), speculative decoding
+TOTALS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput")
+TOTALS += ("output_throughput", "max_concurrent_requests")
 
 
 def client_command(args, model: str, base_url: str, dataset: Path, requests: int, concurrency: int, result: Path):
@@ -81,10 +84,11 @@ def text_digest(text: str) -> str:
 
 
 def client_record(client: dict, texts: bool) -> dict:
-    """What results.json keeps of one client run: vLLM's figures (its scalars), the per-request lists
-    (PER_REQUEST, seconds rounded to 0.1 ms), a digest of every generated text, the texts themselves where
-    `texts` (the reference runs, and runs that differ from theirs), the errors if any."""
-    out = {k: v for k, v in client.items() if isinstance(v, (int, float, str)) or v is None}
+    """What results.json keeps of one client run: vLLM's run-wide figures (TOTALS, mean_ / median_ / p90_ and
+    spec_decode_ scalars), the per-request lists (PER_REQUEST, seconds rounded to 0.1 ms), a digest of every
+    generated text, the texts themselves where `texts`, the errors if any."""
+    figures = ("mean_", "median_", "p90_", "spec_decode_")
+    out = {k: v for k, v in client.items() if k in TOTALS or (k.startswith(figures) and not isinstance(v, list))}
     for k in PER_REQUEST:
         if isinstance(client.get(k), list):
             out[k] = [round(x, 4) if isinstance(x, float) else x for x in client[k]]

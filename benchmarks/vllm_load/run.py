@@ -32,7 +32,6 @@ from benchmarks.vllm_load.workload import (
     build_workload,
     describe,
     kv_bytes_per_token,
-    sha1_of,
     write_dataset,
 )
 
@@ -69,8 +68,7 @@ def main(args, argv=None) -> int:
     out = Results.create(args.out, argv)
     (out.logs / "clients").mkdir()
     dataset = out.logs / "dataset.jsonl"
-    write_dataset(work, dataset, args.new)
-    workload["dataset"] = {"path": str(dataset.relative_to(out.path)), "sha1": sha1_of(dataset)}
+    workload["dataset"] = {"path": str(dataset.relative_to(out.path)), "sha1": write_dataset(work, dataset, args.new)}
     store_root = Path(tempfile.mkdtemp(prefix="vericache-vllm-bench-"))
     print(EMULATED, flush=True)
     if workload["link_s"]:

@@ -20,7 +20,7 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
     """runs: one dict per client run (round, concurrency, gbits, configuration, client: vLLM's JSON or None,
     client_json, logs: log_stats, log_excerpt, server_logs, load_avg, error). The summary: one entry per (gbits,
     concurrency, configuration), means over rounds; plain vLLM's runs are listed under every link. Each run keeps
-    client_record() of its client JSON (its texts where it is a reference or differs)."""
+    client_record() of its client JSON (keep_texts: which runs keep their texts)."""
     ref_label = REFERENCE[args.topology]
     check_runs(runs, ref_label, args.configs, args.concurrency, workload["requests"], args.new)
     for r in runs:
@@ -38,10 +38,7 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
         point = [t for t in summary if t["gbits"] == s["gbits"] and t["concurrency"] == s["concurrency"]]
         compare_point(s, point, ref_label, OURS[args.topology])
         s["drafters"] = args.drafters if args.topology == "router" else None
-    for r in runs:
-        if r.get("client") is not None:
-            keep_texts = r["configuration"] == ref_label or r.get("identical") is False
-            r["client"] = client_record(r["client"], texts=keep_texts)
+    keep_texts(runs, ref_label)
     return {
         "command": command,
         "args": vars(args),
@@ -51,6 +48,19 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
         "summary": summary,
         "runs": runs,
     }
+
+
+def keep_texts(runs: list[dict], ref_label: str) -> None:
+    """Each run's client JSON -> client_record(): the generated texts kept once, with the first reference run
+    (the lowest concurrency's, round 0), and with every run whose texts differ from those; the others' equal
+    digests say they are the same texts."""
+    refs = [r for r in runs if r["configuration"] == ref_label and r.get("client")]
+    first = min(refs, key=lambda r: (r["round"], r["concurrency"]), default=None)
+    texts = first and first["client"].get("generated_texts")
+    for r in runs:
+        if r.get("client") is not None:
+            same = r is not first and r["client"].get("generated_texts") == texts
+            r["client"] = client_record(r["client"], texts=not same)
 
 
 def compare_point(s: dict, point: list[dict], ref_label: str, ours: str) -> None:
@@ -94,5 +104,4 @@ def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     out["router_paths"] = summed(lg.get("router_paths") for lg in logs) or None  # verified / direct / alone ...
     calls = sum(lg.get("router_verify_calls", 0) for lg in logs)
     out["accepted_per_verify_call"] = sum(lg.get("router_accepted", 0) for lg in logs) / calls if calls else None
-    out["client_json"] = [r.get("client_json") for r in mine]
     return out

@@ -108,16 +108,16 @@ def build_workload(args, texts: dict[str, str], encode, decode, chunk: int) -> W
     return Workload(documents, requests, warnings)
 
 
-def write_dataset(workload: Workload, path: Path, new: int) -> None:
+def dataset_bytes(workload: Workload, new: int) -> bytes:
     """vLLM's `custom` dataset: one {"prompt", "output_tokens"} per line, in the order the client sends them."""
-    with open(path, "w") as f:
-        for r in workload.requests:
-            f.write(json.dumps({"prompt": r["prompt"], "output_tokens": new}) + "\n")
+    return "".join(json.dumps({"prompt": r["prompt"], "output_tokens": new}) + "\n" for r in workload.requests).encode()
 
 
-def sha1_of(path: Path) -> str:
-    """The dataset file's digest (results.json records it: a rebuilt dataset is checked against it)."""
-    return hashlib.sha1(path.read_bytes()).hexdigest()
+def write_dataset(workload: Workload, path: Path, new: int) -> str:
+    """The dataset file (dataset_bytes); its sha1 (results.json records it: a rebuilt dataset is checked with it)."""
+    data = dataset_bytes(workload, new)
+    path.write_bytes(data)
+    return hashlib.sha1(data).hexdigest()
 
 
 def kv_bytes_per_token(model: str) -> int | None:
