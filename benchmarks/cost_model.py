@@ -121,7 +121,7 @@ LINKS = {
     "400GbE": Link("400 Gbit/s", 400 * GBIT),
     "PCIe5x16": Link("PCIe 5 x16", 64e9),
 }
-# Used when no --measured file is given: SmolLM2-135M, greedy, kivi4 and snapkv-4x (benchmarks/README.md).
+# Used when no --measured file is given: SmolLM2-135M, greedy, kivi4 and snapkv-4x (docs/benchmarks.md).
 BUILTIN = [Drafting("kivi4", 8, 6.5, 0.181 * 2, 32, None), Drafting("snapkv-4x", 8, 5.0, 0.252, 32, None)]
 QUANTIZERS = ("kivi", "int8", "fp8", "turboquant")
 
