@@ -39,18 +39,24 @@ replay:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import gc
 import json
-import shlex
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage
+from benchmarks.kit.plots import pyplot, save
+from benchmarks.kit.results import Results
 
 DEFAULT_COMPRESSORS = [
     "streamingllm-4x",
@@ -134,11 +140,7 @@ def ideal_speedup(acc, drafted, c_draft, costs) -> float:
 
 
 def plot(rows, names, xs, key, ylabel, path, diagonal=False):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
     cmap = plt.get_cmap("tab20")
     for i, name in enumerate(names):
@@ -153,16 +155,13 @@ def plot(rows, names, xs, key, ylabel, path, diagonal=False):
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def real_check(engine, orc, prefill, copies, ref, args, chunk) -> dict:
     """One real batched VeriCache run over this chunk's copies of one prompt at x = --check-x: per
     compressor, whether the output is the full-KV greedy output and the rounds are the derived ones."""
-    import acceptance_oracle as O
-
+    from benchmarks import acceptance_oracle as O
     from vericache_connector.engine import DecodeConfig
     from vericache_connector.engine.speculative import speculative_decode
 
@@ -194,16 +193,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if min(args.xs) < 1 or args.new_tokens < 2 or not 0 <= args.check_x <= max(args.xs):
         raise SystemExit("need horizons >= 1, --new-tokens >= 2 and 0 <= --check-x <= max(--xs)")
-    bench_paths.setup()
-    import acceptance_oracle as O
+    paths.setup()
     import torch
 
+    from benchmarks import acceptance_oracle as O
     from vericache_connector.compressors import get_compressor
     from vericache_connector.data.chat_prompts import load_any_prompt
     from vericache_connector.draft import DraftConfig
     from vericache_connector.engine import DecodeConfig, VeriCacheEngine
 
-    started = time.perf_counter()
+    started, load = time.perf_counter(), LoadAverage().start()
     xs, n_new, k_max = sorted(set(args.xs)), args.new_tokens, max(args.xs)
     comps = [get_compressor(c) for c in args.compressors]
     draft = DraftConfig(args.draft_layout, args.draft_dtype, weights=args.draft_weights)
@@ -275,20 +274,17 @@ def main(argv=None) -> int:
                     {"compressor": comp.spec, "name": name, "k": x, "prompt": pn, "accepted": acc[j], "drafted": dr[j]}
                 )
 
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    out = Results.create(args.out, argv)
+    cmd = out.command
     lens = [p.num_tokens for p in pre]
     wall = time.perf_counter() - started
     table = render_table(args, rows, checks, lens, costs, engine, cmd, wall, torch.get_num_threads())
     prompts = [{"name": n, "tokens": t} for n, t in zip(args.prompts, lens)]
-    (out / "table.md").write_text(table + "\n")
-    (out / "command.txt").write_text(cmd + "\n")
-    (out / "traces.json").write_text(
-        json.dumps({"model": engine.model_name, "new_tokens": n_new, "prompts": prompts, "runs": runs}) + "\n"
+    out.write_json(
+        "traces.json", {"model": engine.model_name, "new_tokens": n_new, "prompts": prompts, "runs": runs}, None
     )
     doc = {"command": cmd, "seconds": wall, "prompts": prompts, "costs": costs, "checks": checks, "rows": rows}
-    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    out.write(doc | {"load_avg": load.stop()}, table, indent=1)
     names = list(args.compressors)
     plot(rows, names, xs, "mean_accepted", "mean accepted length (drafts per round)", out / "mean_accepted.png", True)
     plot(rows, names, xs, "acceptance_rate", "acceptance rate (accepted / drafted)", out / "acceptance_rate.png")

@@ -18,11 +18,11 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from cost_model import Hardware, Model
+from benchmarks.cost_model import Hardware, Model
+from benchmarks.kit import paths
+from benchmarks.kit.report import markdown
 
-import bench_paths
-
-bench_paths.setup()
+paths.setup()
 from vericache_connector.engine import capacity as C  # noqa: E402
 
 fit_alpha = C.fit_alpha
@@ -154,19 +154,16 @@ def resident_fraction(spec: str, head_dim: int = 128, kv_elem_bytes: int = 2) ->
 
 
 def serving_table(preds: list[ServingPrediction]) -> str:
-    lines = [
-        "| model | GPU | link GB/s | ctx | KV budget GiB | compressor | c | r | a | full rows | full tok/s | VC rows | "
-        "x | VC tok/s | link-bound | **speedup** |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    header = "model | GPU | link GB/s | ctx | KV budget GiB | compressor | c | r | a | full rows | full tok/s | VC rows"
+    header += " | x | VC tok/s | link-bound | **speedup**"
+    rows = [
+        [p.model, p.hardware, f"{p.link_gbps:g}", p.context, f"{p.budget_gib:.1f}", p.compressor or "-"]
+        + [f"{p.compression:.3f}", f"{p.reload_fraction:.2f}", f"{p.alpha:.3f}", p.full_rows]
+        + [f"{p.full_tokens_per_s:.0f}", p.vc_rows, p.vc_horizon, f"{p.vc_tokens_per_s:.0f}"]
+        + ["yes" if p.link_bound else "no", f"**{p.speedup:.2f}x**"]
+        for p in preds
     ]
-    for p in preds:
-        lines.append(
-            f"| {p.model} | {p.hardware} | {p.link_gbps:g} | {p.context} | {p.budget_gib:.1f} | "
-            f"{p.compressor or '-'} | {p.compression:.3f} | {p.reload_fraction:.2f} | {p.alpha:.3f} | "
-            f"{p.full_rows} | {p.full_tokens_per_s:.0f} | {p.vc_rows} | {p.vc_horizon} | {p.vc_tokens_per_s:.0f} | "
-            f"{'yes' if p.link_bound else 'no'} | **{p.speedup:.2f}x** |"
-        )
-    return "\n".join(lines)
+    return markdown(header.split(" | "), "llrrrlrrrrrrrrlr", rows)
 
 
 def budget_of(hw: C.Hardware, m: Model, usable: float = 0.9) -> float:

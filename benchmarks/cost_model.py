@@ -32,14 +32,20 @@ ratios (streamingllm, snapkv, tova, knorm) do not depend on the dtype.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import math
 import statistics
-import sys
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from benchmarks.kit.report import markdown
+from benchmarks.kit.results import Results, command_line
 
 GBIT = 1e9 / 8
 
@@ -115,7 +121,7 @@ LINKS = {
     "400GbE": Link("400 Gbit/s", 400 * GBIT),
     "PCIe5x16": Link("PCIe 5 x16", 64e9),
 }
-# Used when no --measured file is given: SmolLM2-135M, greedy, kivi4 and snapkv-4x (benchmarks/README.md).
+# Used when no --measured file is given: SmolLM2-135M, greedy, kivi4 and snapkv-4x (docs/benchmarks.md).
 BUILTIN = [Drafting("kivi4", 8, 6.5, 0.181 * 2, 32, None), Drafting("snapkv-4x", 8, 5.0, 0.252, 32, None)]
 QUANTIZERS = ("kivi", "int8", "fp8", "turboquant")
 
@@ -237,19 +243,16 @@ def load_measured(path: Path, ks: list[int] | None = None) -> list[Drafting]:
 
 
 def table(preds: list[Prediction]) -> str:
-    lines = [
-        "| model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms "
-        "| VC ms/tok | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup** |",
-        "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    header = "model | GPU | link | compressor | k | ctx | B | fits | full ms/tok | draft ms | verify ms | VC ms/tok"
+    header += " | **decode speedup** | full KV fetch s | TTFT full s | TTFT VC s | **e2e speedup**"
+    rows = [
+        [p.model, p.hardware, p.link, p.compressor, p.k, p.context, p.batch, "yes" if p.fits else "NO"]
+        + [f"{p.full_step_ms:.2f}", f"{p.draft_step_ms:.2f}", f"{p.verify_step_ms:.2f}", f"{p.vc_token_ms:.2f}"]
+        + [f"**{p.decode_speedup:.2f}x**", f"{p.transfer_full_s:.3f}", f"{p.ttft_full_s:.3f}", f"{p.ttft_vc_s:.3f}"]
+        + [f"**{p.e2e_speedup:.2f}x**"]
+        for p in preds
     ]
-    for p in preds:
-        lines.append(
-            f"| {p.model} | {p.hardware} | {p.link} | {p.compressor} | {p.k} | {p.context} | {p.batch} "
-            f"| {'yes' if p.fits else 'NO'} | {p.full_step_ms:.2f} | {p.draft_step_ms:.2f} "
-            f"| {p.verify_step_ms:.2f} | {p.vc_token_ms:.2f} | **{p.decode_speedup:.2f}x** "
-            f"| {p.transfer_full_s:.3f} | {p.ttft_full_s:.3f} | {p.ttft_vc_s:.3f} | **{p.e2e_speedup:.2f}x** |"
-        )
-    return "\n".join(lines)
+    return markdown(header.split(" | "), "llllrrrlrrrrrrrrr", rows)
 
 
 def main(argv=None) -> int:
@@ -296,7 +299,7 @@ def main(argv=None) -> int:
         for t in args.context
         for b in args.batch
     ]
-    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line(argv)
     src = args.measured or "built-in figures"
     head = (
         f"Cost model (roofline, memory-bound decode; see benchmarks/cost_model.py). Acceptance and compression "
@@ -304,15 +307,8 @@ def main(argv=None) -> int:
         f"{'over ' + args.compressed_local + ' in parallel' if args.compressed_local else 'first, on the same link'}. Command: `{cmd}`"
     )
     text = head + "\n\n" + table(preds)
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(
-        json.dumps(
-            {"command": cmd, "drafting": [asdict(d) for d in drafts], "rows": [asdict(x) for x in preds]}, indent=2
-        )
-    )
-    (out / "command.txt").write_text(cmd + "\n")
+    out = Results.create(args.out, command=cmd)
+    out.write({"command": cmd, "drafting": [asdict(d) for d in drafts], "rows": [asdict(x) for x in preds]}, text)
     print(json.dumps([asdict(x) for x in preds], indent=2) if args.json else text)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -321,7 +317,7 @@ def main(argv=None) -> int:
 def measured_alphas(path: Path | None) -> tuple[str, dict[str, tuple[float, int, float]]]:
     """Per compressor (a, k, mean accepted) from acceptance.py's results.json (the newest under results/acceptance
     with horizons >= 32 when path is None): a fitted at the largest horizon measured (<= 64)."""
-    from capacity_model import fit_alpha
+    from benchmarks.capacity_model import fit_alpha
 
     files = [path] if path else sorted(Path("results/acceptance").glob("*/results.json"), reverse=True)
     for f in files:
@@ -347,9 +343,9 @@ def serving_main(args, argv) -> int:
     """The capacity model (engine/capacity.py, capacity_model.py): the paper's table next to its prediction, the
     GPUs with our measured acceptance per compressor, and (given a serving.py results.json) a check against
     that CPU run."""
-    import capacity_model as cap
+    from benchmarks import capacity_model as cap
 
-    cmd = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line(argv)
     paper, paper_preds = cap.paper_rows()
     lines = [
         f"Capacity model (vericache_connector/engine/capacity.py). Command: `{cmd}`",
@@ -401,10 +397,7 @@ def serving_main(args, argv) -> int:
         checks, h200, text = cpu_check(args.serving)
         lines += ["", text]
     text = "\n".join(lines)
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    (out / "command.txt").write_text(cmd + "\n")
+    out = Results.create(args.out, command=cmd)
     doc = {
         "command": cmd,
         "paper": paper,
@@ -415,7 +408,7 @@ def serving_main(args, argv) -> int:
         "checks": checks,
         "summary": [cap.as_dict(p) for p in h200],
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    out.write(doc, text)
     print(json.dumps(doc, indent=2) if args.json else text)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -423,7 +416,7 @@ def serving_main(args, argv) -> int:
 
 def cpu_check(path: Path) -> tuple[list[dict], list, str]:
     """The capacity model checked against a CPU serving run, then applied to the H200 with its acceptance."""
-    from capacity_model import predict_serving, serving_table
+    from benchmarks.capacity_model import predict_serving, serving_table
 
     run = json.loads(Path(path).read_text())
     rows = [r for r in run["rows"] if r["sweep"] == "budget"]
@@ -521,7 +514,7 @@ def compression_of(spec: str, draft_over_full: float) -> float:
     resident_fraction): quantizers' packed codes and scales against the full KV's element size (CPU float32 when
     draft_over_full < 1, else bf16); token dropping's kept fraction times draft / full bytes per element (CPU: a
     float16 draft pool against float32 full KV = 0.5; GPU bf16: 1)."""
-    from capacity_model import resident_fraction
+    from benchmarks.capacity_model import resident_fraction
 
     c, reload_fraction = resident_fraction(spec, head_dim=64, kv_elem_bytes=2 if draft_over_full >= 1 else 4)
     return c * draft_over_full if reload_fraction < 1 else c

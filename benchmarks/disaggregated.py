@@ -32,21 +32,27 @@ verifier server's own greedy output. Each vLLM server takes about 3 GB: keep --d
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import concurrent.futures
-import json
 import math
 import os
 import random
 import secrets
-import shlex
 import signal
-import sys
 import time
 import uuid
-from pathlib import Path
 
-import bench_paths
+from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage, describe
+from benchmarks.kit.plots import lines, pyplot, save
+from benchmarks.kit.report import fmt, mean
+from benchmarks.kit.results import Results
 
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32 (checked against the model below)
 METHODS = ("full-kv", "verified", "recompute")
@@ -107,7 +113,7 @@ class Cluster:
         return procs.node_env(self.store, {"VERICACHE_VERIFIER_TOKEN": self.token, **self.keys})
 
     def cores(self, name: str) -> list[int] | None:
-        from disaggregated_vllm import pin_cores
+        from benchmarks.disaggregated_vllm import pin_cores
 
         return pin_cores(self.args.pin, name)
 
@@ -167,8 +173,7 @@ BACKENDS = {
 def make_cluster(args, store: str, logs: Path, token: str):
     if args.backend == "engine":
         return Cluster(args, store, logs, token)
-    from disaggregated_vllm import VLLMCluster
-
+    from benchmarks.disaggregated_vllm import VLLMCluster
     from vericache_connector.demo.procs import REF_KV_BYTES_PER_TOKEN
 
     scale = 1.0 if args.scale_to == "none" else KV_BYTES_PER_TOKEN / REF_KV_BYTES_PER_TOKEN[args.scale_to]
@@ -226,11 +231,6 @@ def run_rates(cluster: Cluster, prompts: dict, args, ref: dict) -> list[dict]:
     return rows
 
 
-def mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def summarize(rows: list[dict], ref: dict, methods) -> list[dict]:
     out = []
     for gbit, n in dict.fromkeys((r["gbit"], r["drafters"]) for r in rows):
@@ -277,10 +277,6 @@ def summarize(rows: list[dict], ref: dict, methods) -> list[dict]:
         )
         out.append(row)
     return out
-
-
-def fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
 
 
 def summarize_rates(rows: list[dict], ref: dict) -> list[dict]:
@@ -336,19 +332,13 @@ def tables(summary, rates, header) -> str:
 
 
 def plots(summary, rates, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    files = []
+    plt, files = pyplot(), []
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for n in sorted({r["drafters"] for r in summary}):
-        pts = sorted((r["fetch_over_decode"], r["latency_speedup_vs_full"]) for r in summary
-                     if r["drafters"] == n and r["fetch_over_decode"] and r["latency_speedup_vs_full"])  # fmt: skip
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"1 verifier + {n} drafter(s)")
+    x, y = "fetch_over_decode", "latency_speedup_vs_full"
+    drafters = sorted({r["drafters"] for r in summary})
+    lines(ax, [r for r in summary if r[x] and r[y]], "drafters", x, y, drafters, "1 verifier + {} drafter(s)".format)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.5, color="gray", lw=0.8, ls="--")
     ax.axvline(1.0, color="gray", lw=0.8, ls=":")
@@ -360,10 +350,7 @@ def plots(summary, rates, out: Path) -> list[str]:
     ax.set_ylabel("mean latency: full-KV fetch / verified")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_ratio.png", dpi=120)
-    files.append("speedup_vs_ratio.png")
-    plt.close(fig)
+    files.append(save(fig, out / "speedup_vs_ratio.png"))
     if rates:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
         for method in dict.fromkeys(r["method"] for r in rates):
@@ -377,15 +364,12 @@ def plots(summary, rates, out: Path) -> list[str]:
         for a in (a1, a2):
             a.grid(alpha=0.3)
             a.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "latency_throughput_vs_rate.png", dpi=120)
-        files.append("latency_throughput_vs_rate.png")
-        plt.close(fig)
+        files.append(save(fig, out / "latency_throughput_vs_rate.png"))
     return files
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     # `timeout` sends SIGTERM: exit through the finally below, so the verifier and drafters are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -404,14 +388,13 @@ def main(argv=None) -> int:
     if args.backend == "vllm" and "local" in args.methods:
         raise SystemExit("--methods local is our engine's (--backend engine): a vLLM node has no such mode")
     t_start = time.perf_counter()
-    load_before = os.getloadavg()  # 1/5/15 min: a busy neighbour on 2 cores changes the ratios themselves
+    load = LoadAverage().start()  # a busy neighbour on 2 cores changes the ratios themselves
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     texts = dict(list(load_prompts().items())[: args.prompts])
     prompts = {n: tok(t, add_special_tokens=False).input_ids[: args.prompt_tokens] for n, t in texts.items()}
     store = f"{redis}?prefix=bd{uuid.uuid4().hex[:8]}:"
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    cluster = make_cluster(args, store, out / "logs", secrets.token_hex(24))
+    out = Results.create(args.out, argv)
+    cluster = make_cluster(args, store, out.logs, secrets.token_hex(24))
     rows, rate_rows, ref = [], [], {}
     try:
         for gbit in args.gbits:
@@ -437,7 +420,7 @@ def main(argv=None) -> int:
     summary = summarize(rows, ref, args.methods)
     rates = summarize_rates(rate_rows, ref) if rate_rows else []
     wall = time.perf_counter() - t_start
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    cmd = out.command
     loads = cluster.load_rate()
     stored = {n: stored_prefix_len(len(ids), 256) for n, ids in prompts.items()}
     header = [
@@ -464,17 +447,15 @@ def main(argv=None) -> int:
         "time after the fetch (suffix prefill + decoding). == full-KV: outputs identical to the full-kv output "
         "of the same prompt (plain full-KV greedy"
         + ("; --backend vllm: the verifier server's own greedy output)." if args.backend == "vllm" else ")."),
-        f"Command: `{cmd}`  Wall time: {wall:.0f} s. Load average {load_before[0]:.2f} before, "
-        f"{os.getloadavg()[0]:.2f} after (the servers' own load included).",
+        f"Command: `{cmd}`  Wall time: {wall:.0f} s. {describe(load.stop())} (the servers' own load included).",
     ]
     table = tables(summary, rates, header)
-    (out / "table.md").write_text(table + "\n")
-    files = plots(summary, rates, out)
+    files = plots(summary, rates, out.path)
     payload = dict(
         backend=args.backend,
         command=cmd,
         wall_s=wall,
-        load_avg={"before": load_before, "after": os.getloadavg()},
+        load_avg=load.record(),
         links_emulated=True,
         bandwidth_scale=cluster.scale,
         verifier_load_mb_per_s=mean(loads) and mean(loads) / 1e6,
@@ -487,8 +468,7 @@ def main(argv=None) -> int:
         rate_rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rate_rows],
         plots=files,
     )
-    (out / "results.json").write_text(json.dumps(payload, indent=2))
-    (out / "command.txt").write_text(cmd + "\n")
+    out.write(payload, table)
     print(table)
     ok = all(r["identical"] for r in summary) and all(r["identical"] == r["requests"] for r in rates)
     print(f"every output identical to full-KV greedy: {ok}; wrote {out} in {wall:.0f} s", file=sys.stderr)

@@ -67,9 +67,8 @@ class VLLMCluster:
         return gbit * 1e9 / 8 * self.scale
 
     def _server(self, name: str, cores, bandwidth: float, **kw):
+        from benchmarks.kit.vllm_server import ServerConfig, VLLMServer
         from vericache_connector.demo import procs
-
-        from vllm_server import ServerConfig, VLLMServer
 
         env = {
             "VLLM_CPU_OMP_THREADS_BIND": core_list(cores) if cores else "nobind",

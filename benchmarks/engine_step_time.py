@@ -33,18 +33,24 @@ Writes results/engine_step_time/<stamp>/: command.txt, results.json, table.md, s
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage
+from benchmarks.kit.plots import pyplot, save
+from benchmarks.kit.results import Results
 
 DEFAULT_COMPRESSORS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "snapkv-4x", "streamingllm-8x"]
 
@@ -249,11 +255,7 @@ def time_context(engine, t: int, args, bar) -> list[dict]:
 
 def plot(rows, path: Path) -> None:
     """One panel per (ratio, context): groups = compressors, one bar colour per draft variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     contexts = sorted({r["context"] for r in rows})
     rest = [r for r in rows if r["variant"] != "full"]
     group = lambda r: "uncompressed" if r["compressor"] == "-" else r["compressor"]  # noqa: E731
@@ -280,9 +282,7 @@ def plot(rows, path: Path) -> None:
             ax.grid(axis="y", alpha=0.3)
         axes[row][0].set_ylabel("time ratio (lower is faster)")
     axes[0][-1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def table(rows, header: str) -> str:
@@ -309,10 +309,11 @@ def table(rows, header: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench_paths.setup()
+    paths.setup()
     from vericache_connector.engine import VeriCacheEngine
 
     torch.set_num_threads(args.threads)
+    load = LoadAverage().start()
     engine = VeriCacheEngine.from_pretrained(args.model)
     for t in args.contexts:
         engine.check_length(t - 1, 1)
@@ -326,15 +327,14 @@ def main(argv=None) -> int:
         for t in args.contexts:
             bar.set_postfix(context=t)
             rows += time_context(engine, t, args, bar)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    out = Results.create(args.out, argv)
+    cmd = out.command
     header = (
         f"One decode step (batch 1, {engine.model_name}, {engine.model.dtype}, {engine.model.device}, "
         f"{args.threads} threads, torch {torch.__version__}); medians of {args.steps} round-robin steps. "
         f"step = whole forward (reads all weights too), attn = the 30 layers' cache.attend only. "
         f"Ratios over the full-KV step at the same T. Command: `{cmd}`"
     )
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": cmd,
         "device": str(engine.model.device),
@@ -342,10 +342,9 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "model": engine.model_name,
         "rows": rows,
+        "load_avg": load.stop(),
     }
-    (out / "command.txt").write_text(cmd + "\n")
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    (out / "table.md").write_text(table(rows, header) + "\n")
+    out.write(doc, table(rows, header))
     plot(rows, out / "step_ratio.png")
     print(json.dumps(doc, indent=2) if args.json else table(rows, header))
     print(f"wrote {out}", file=sys.stderr)

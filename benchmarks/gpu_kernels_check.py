@@ -16,17 +16,21 @@ every case passed, 1 otherwise, 2 when there is nothing to run (no CUDA and no C
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
-from pathlib import Path
 
-import bench_paths
+from benchmarks.kit import paths
 
-bench_paths.setup()
+paths.setup()
 
 TOL = {"float32": (2e-4, 2e-4), "float16": (2e-2, 1e-2), "bfloat16": (6e-2, 3e-2)}  # (atol, rtol)
 

@@ -23,16 +23,21 @@ Exit code 0 when every kernel case matched its reference and every run finished,
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import dataclasses
 import gc
 import glob
 import json
 import math
-import sys
 import time
 
-import bench_paths
+from benchmarks.kit import paths
 
 BIG = dict(
     vocab_size=128256,
@@ -89,7 +94,7 @@ def parse_args(argv=None):
 def load_rounds(path: str | None, compressor: str | None = None) -> dict:
     """Per-round accepted counts recorded on the CPU: {"source": ..., "rounds": [[n, ...] per recorded request]},
     of this compressor where the recording names it."""
-    root = bench_paths.ROOT / "results"
+    root = paths.ROOT / "results"
     files = (
         [path]
         if path
@@ -138,7 +143,7 @@ def row_alphas(rounds: list[list[int]], n: int) -> list[float]:
 
 def gpu_figures(device: str):
     """The capacity model's figures for this GPU (capacity_model.GPUS by name; an H200's for a CPU dry run)."""
-    from capacity_model import GPUS
+    from benchmarks.capacity_model import GPUS
 
     name = __import__("torch").cuda.get_device_name() if device == "cuda" else "H200"
     return next((hw for key, hw in GPUS.items() if key.split()[0] in name), GPUS["H200"])
@@ -256,7 +261,7 @@ def step_times(split) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench_paths.setup()
+    paths.setup()
     import torch
 
     from vericache_connector.engine import capacity

@@ -15,18 +15,23 @@ and predicts VeriCache's decode speedup for an acceptance a at horizon k:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
-import sys
 import time
 
 import torch
 
-import bench_paths
+from benchmarks.kit import paths
 
 
 def build(layers: int, smoke: bool, device: str, dtype: torch.dtype):
-    bench_paths.setup()
+    paths.setup()
     from vericache_connector.model.causal_lm import CausalLM, ModelConfig
 
     big = dict(

@@ -12,13 +12,18 @@ Prompts are token ids, so the server runs with --skip-tokenizer-init and needs n
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import tempfile
 import time
-from pathlib import Path
 
-import bench_paths
+from benchmarks.kit import paths
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads (head_dim 64)
     "tiny": (256, 512, 4, 4, 2),
@@ -54,7 +59,7 @@ def build_model(size: str, dest: Path, seed: int = 0) -> None:
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a dry run of this script)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1100, 2000])
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from vllm_server import ServerConfig, VLLMServer
+    from benchmarks.kit.vllm_server import ServerConfig, VLLMServer
 
     size = "tiny" if args.tiny else "1b"
     work = Path(tempfile.mkdtemp(prefix="vericache-gpu-vllm-"))

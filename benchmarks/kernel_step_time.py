@@ -24,15 +24,20 @@ the ratio measures the reference path, not the Triton kernels.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import statistics
-import sys
 import time
 
-import bench_paths
+from benchmarks.kit import paths
 
-bench_paths.setup()
+paths.setup()
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """How often vLLM's prompt-lookup (n-gram) drafts are right, by the length of the match behind them, replayed
-over the outputs of a served-load run (benchmarks/vllm_bench.py's results folder: its dataset.jsonl and one
-client JSON with generated texts, by default plain vLLM's at the highest concurrency).
+over the outputs of a served-load run (a benchmarks/vllm_bench.py results folder: its prompts and one run's
+generated texts from its results.json, by default plain vLLM's at the highest concurrency; vllm_load/saved.py).
 
 At every output position of every request, the proposer's matcher (proposer/ngram.py: the drafts of vLLM's
 `ngram` method) is asked for --k drafts on the tokens so far, longest match first (--max-n down to --min-n, as
@@ -19,15 +19,21 @@ Writes results/ngram_replay/<stamp>/: results.json (a top-level "summary": one e
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
-import bench_paths
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-ROOT = bench_paths.setup()
+import argparse
+
+from benchmarks.kit import paths
+from benchmarks.kit.plots import pyplot, save
+from benchmarks.kit.report import markdown
+from benchmarks.kit.results import Results
+from benchmarks.vllm_load import saved
+
+ROOT = paths.setup()
 
 
 def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: int) -> dict[int, list[int]]:
@@ -54,7 +60,9 @@ def replay(rows: list[tuple[list[int], list[int]]], min_n: int, max_n: int, k: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("run", type=Path, help="a results/vllm_bench/<stamp> folder")
-    ap.add_argument("--client", help="its client JSON under clients/ (default: plain vLLM's, highest concurrency)")
+    ap.add_argument(
+        "--client", help="a run of it, e.g. r0-c8-nolink-plain (default: plain vLLM's, highest concurrency)"
+    )
     ap.add_argument("--min-n", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--max-n", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--k", type=int, default=8, help="drafts per position")
@@ -63,21 +71,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.min_n <= args.max_n or args.k < 1:
         raise ValueError(f"need 1 <= --min-n <= --max-n and --k >= 1, got {args.min_n}, {args.max_n}, {args.k}")
-    dataset = args.run / "dataset.jsonl"
-    clients = sorted(
-        (args.run / "clients").glob("*plain*.json"), key=lambda p: int(p.name.split("-c")[1].split("-")[0])
-    )
-    client = args.run / "clients" / args.client if args.client else (clients[-1] if clients else None)
-    if not dataset.exists() or client is None or not client.exists():
-        raise ValueError(f"{args.run} has no dataset.jsonl or no client JSON ({args.client or 'plain vLLM'})")
+    doc = saved.load(args.run)
+    client, texts = saved.texts_of(doc, args.client)
 
     from transformers import AutoTokenizer
 
     from vericache_connector.model.loader import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(args.model or resolve_model_dir(None))
-    prompts = [json.loads(line)["prompt"] for line in dataset.read_text().splitlines() if line.strip()]
-    texts = json.loads(client.read_text())["generated_texts"]
+    prompts = saved.prompts_of(args.run, doc, tok)
     rows = []
     for p, g in zip(prompts, texts):
         ids = tok(p)["input_ids"]
@@ -89,40 +91,25 @@ def main(argv=None) -> int:
         {"n": n, "positions": c[0], "p_first_i_right": [round(x / c[0], 4) for x in c[1:]]}
         for n, c in sorted(counts.items(), reverse=True)
     ]
-    out = args.out / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    head = "| match length | positions | " + " | ".join(f"first {i} right" for i in range(1, args.k + 1)) + " |"
-    lines = [
-        f"{total} output positions of {len(rows)} requests ({client.name}); vLLM's n-gram matcher, "
-        f"{args.k} drafts per position, longest match first:",
-        "",
-        head,
-        "|---:|---:|" + "---:|" * args.k,
-        *(
-            f"| {s['n']} | {s['positions']} | " + " | ".join(f"{x:.2f}" for x in s["p_first_i_right"]) + " |"
-            for s in summary
-        ),
-    ]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(
-        json.dumps({"summary": summary, "run": str(args.run), "client": client.name, "positions": total}, indent=1)
+    out = Results.create(args.out, argv)
+    head = ["match length", "positions", *(f"first {i} right" for i in range(1, args.k + 1))]
+    text = (
+        f"{total} output positions of {len(rows)} requests ({client}); vLLM's n-gram matcher, "
+        f"{args.k} drafts per position, longest match first:\n\n"
     )
-    (out / "command.txt").write_text(" ".join([sys.executable, *sys.argv]) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    text += markdown(
+        head, "r" * len(head), [[s["n"], s["positions"], *(f"{x:.2f}" for x in s["p_first_i_right"])] for s in summary]
+    )
+    out.write({"summary": summary, "run": str(args.run), "client": client, "positions": total}, text, indent=1)
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for s in summary:
         ax.plot(
             range(1, args.k + 1), s["p_first_i_right"], marker="o", label=f"{s['n']}-token match ({s['positions']})"
         )
     ax.set(xlabel="drafts i", ylabel="P(first i drafts right)", ylim=(0, 1), title="vLLM n-gram drafts by match length")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "acceptance.png", dpi=120)
-    print("\n".join(lines))
+    save(fig, out / "acceptance.png")
+    print(text)
     print(f"results: {out}")
     return 0
 

@@ -23,21 +23,26 @@ throughput is its output tokens over its wall time (prefill replay, compression 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import random
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import load as kit_load
+from benchmarks.kit import paths
+from benchmarks.kit.plots import lines, pyplot, save
+from benchmarks.kit.results import Results
 
 EMULATED = (
     "CPU proxy: the device KV budget is a byte cap on the resident caches and the host link is EMULATED on the CPU "
@@ -46,7 +51,7 @@ EMULATED = (
 
 
 def parse_args(argv=None):
-    bench_paths.setup()
+    paths.setup()
     from vericache_connector.engine.config import POLICIES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,13 +204,13 @@ def run_one(
     )
     base = dict(policy=policy, requests=len(reqs), link_gbps=link_gbps or args.link_gbps, capacity_model=guarded)
     total = sum(r.max_new_tokens for r in reqs)
-    load0 = os.getloadavg()[0]
+    load0 = kit_load.now()
     try:
         with tqdm(total=total, desc=label, unit="tok", leave=False) as bar:
             rep = ServingEngine(model, cfg, store).run(reqs, on_tokens=bar.update)
     except ValueError as e:  # the budget holds not even one request this way
         return {**base, "fits": False, "error": str(e), "identical": True, "identical_n": 0, "tokens_per_s": 0.0}
-    load = (load0 + os.getloadavg()[0]) / 2  # other work on the machine during the run (same-run ratios)
+    load = (load0 + kit_load.now()) / 2  # other work on the machine during the run (same-run ratios)
     outs = rep.outputs()
     same = sum(outs[r.request_id] == refs[r.request_id] for r in reqs)
     row = {k: v for k, v in rep.summary().items() if k != "split"}
@@ -260,7 +265,7 @@ def cpu_hardware(full_row: dict, model, prompts, link_bytes_per_s: float, flops:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench_paths.setup()
+    paths.setup()
     import torch
 
     if args.kinds is not None:
@@ -269,11 +274,9 @@ def main(argv=None) -> int:
     from vericache_connector.engine import DecodeConfig, VeriCacheEngine
 
     torch.set_num_threads(args.threads)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) / stamp
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    (out / "command.txt").write_text(cmd + "\n")
+    load = kit_load.LoadAverage().start()
+    out = Results.create(args.out, argv)
+    cmd = out.command
     print(EMULATED.format(link=args.link_gbps, links=args.links), file=sys.stderr)
     engine = VeriCacheEngine.from_pretrained(args.model)
     model = engine.model
@@ -327,6 +330,7 @@ def main(argv=None) -> int:
         for g in [("budget", b, None, None)] + [("link", b, None, x) for x in args.links]
     ] + [("rate", args.rate_budget, r, None) for r in args.rates]
     context = dict(demand=demand, prompts=prompts, prefill_s=prefill_s, cmd=cmd, threads=torch.get_num_threads())
+    context["load"] = load
     for kind, frac, rate, link in grid:
         reqs = trace(prompts, args.new, rate, args.seed)
         for policy in args.policies:
@@ -368,8 +372,9 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(fmt_row(row), file=sys.stderr)
                 write(out, rows, args, context, complete=False)  # after every row: a crash keeps what was measured
+    load.stop()
     doc = write(out, rows, args, context, complete=True)
-    plot(rows, out, args)
+    plot(rows, out.path, args)
     print(table(rows, args, demand, prefill_s, cmd))
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -401,9 +406,9 @@ def kinds_main(args, argv) -> int:
 
     torch.set_num_threads(args.threads)
     names = args.kinds or KINDS
-    out = Path(args.out) / (time.strftime("%Y%m%d-%H%M%S") + "-kinds")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    load = kit_load.LoadAverage().start()
+    out = Results.create(args.out, argv, suffix="-kinds")
+    cmd = out.command
     print(EMULATED.format(link=args.link_gbps, links=[]), file=sys.stderr)
     engine = VeriCacheEngine.from_pretrained(args.model)
     model, store, rows = engine.model, {}, []
@@ -446,7 +451,7 @@ def kinds_main(args, argv) -> int:
                         ngram_drafted=r.ngram_drafted,
                         tokens_per_s=rep.tokens_per_s,
                         identical=r.output == ref,
-                        load_avg=os.getloadavg()[0],
+                        load_avg=kit_load.now(),
                     )
                 )
                 print(
@@ -468,14 +473,13 @@ def kinds_main(args, argv) -> int:
         )
     text = "\n".join(lines) + "\n"
     doc = {"summary": rows, "command": cmd, "new_tokens": args.new, "k_max": args.k_max, "link_gbps": args.link_gbps}
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    (out / "table.md").write_text(text)
+    out.write(doc | {"load_avg": load.stop()}, text)
     print(text)
     print(f"results in {out}", file=sys.stderr)
     return 0 if all(r["identical"] for r in rows) else 1
 
 
-def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
+def write(out: Results, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
     """results.json and table.md of the rows so far; ratio_vs_full against the full-KV run of the same trace and
     budget (link rows: the budget sweep's; None where full KV does not fit the budget)."""
     for row in rows:
@@ -525,10 +529,9 @@ def write(out: Path, rows: list[dict], args, ctx: dict, complete: bool) -> dict:
         "threads": ctx["threads"],
         "command": ctx["cmd"],
         "proxy": EMULATED.format(link=args.link_gbps, links=args.links) + "; prefills computed once, replayed",
-        "load_avg": os.getloadavg(),
+        "load_avg": ctx["load"].record(),  # so far (before, during), until the run's end
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    (out / "table.md").write_text(table(rows, args, ctx["demand"], ctx["prefill_s"], ctx["cmd"]))
+    out.write(doc, table(rows, args, ctx["demand"], ctx["prefill_s"], ctx["cmd"]))
     return doc
 
 
@@ -646,11 +649,7 @@ def table(rows, args, demand, prefill_s, cmd) -> str:
 
 
 def plot(rows, out: Path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     for sweep, xkey, xlabel in (
         ("budget", "budget_fraction", "device KV budget (fraction of the trace's full-KV demand)"),
         ("rate", "rate", "arrival rate (requests/s)"),
@@ -659,15 +658,9 @@ def plot(rows, out: Path, args) -> None:
         if not sel:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for policy, planned in dict.fromkeys((r["policy"], r.get("capacity_model", False)) for r in sel):
-            pts = sorted(
-                ((r[xkey], r) for r in sel if (r["policy"], r.get("capacity_model", False)) == (policy, planned)),
-                key=lambda p: p[0],
-            )
-            xs = [x for x, _ in pts]
-            name = policy + (" + planner + guard" if planned else "")
-            axes[0].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=name)
-            axes[1].plot(xs, [r["mean_latency_s"] for _, r in pts], marker="o", label=name)
+        sel = [{**r, "line": r["policy"] + (" + planner + guard" if r.get("capacity_model") else "")} for r in sel]
+        lines(axes[0], sel, "line", xkey, "tokens_per_s")
+        lines(axes[1], sel, "line", xkey, "mean_latency_s")
         axes[0].set_ylabel("output tokens/s")
         axes[1].set_ylabel("mean latency (s)")
         for ax in axes:
@@ -675,9 +668,7 @@ def plot(rows, out: Path, args) -> None:
             ax.grid(alpha=0.3)
             ax.legend()
         fig.suptitle(f"serving on the CPU proxy (link {args.link_gbps} GB/s emulated, {args.compressor})")
-        fig.tight_layout()
-        fig.savefig(out / f"{sweep}.png", dpi=120)
-        plt.close(fig)
+        save(fig, out / f"{sweep}.png")
 
 
 if __name__ == "__main__":

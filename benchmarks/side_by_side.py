@@ -24,18 +24,25 @@ KV for the same token count over the stated real link. Compute is NOT scaled (CP
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import asyncio
 import json
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage
+from benchmarks.kit.plots import points, pyplot, save
+from benchmarks.kit.report import fmt, mean
+from benchmarks.kit.results import Results
 
 REF_KV_BYTES_PER_TOKEN = {
     "llama3-8b": 32 * 8 * 128 * 2 * 2,
@@ -321,11 +328,6 @@ class Bench:
         )
 
 
-def mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def aggregate(runs: list[Run], quality: dict, ref_bytes: dict) -> list[dict]:
     """One row per (method, compressor, k, gbit), averaged over prompts, with ratios vs full-kv."""
 
@@ -375,10 +377,6 @@ def aggregate(runs: list[Run], quality: dict, ref_bytes: dict) -> list[dict]:
     return rows
 
 
-def fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
-
-
 def tables(rows, header_lines) -> str:
     out = list(header_lines)
     out += [
@@ -419,12 +417,7 @@ def tables(rows, header_lines) -> str:
 
 
 def plots(rows, ks, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
+    plt, files = pyplot(), []
     vc = [r for r in rows if r["method"] == "vericache"]
     # 1) acceptance vs draft length, per compressor (mean over bandwidths)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -449,17 +442,14 @@ def plots(rows, ks, out: Path) -> list[str]:
     ax.set_title("Acceptance vs draft length (rounds that drafted exactly k; mean over bandwidths)", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_vs_k.png", dpi=120)
-    files.append("acceptance_vs_k.png")
-    plt.close(fig)
+    files.append(save(fig, out / "acceptance_vs_k.png"))
     # 2) speedup over full KV vs bandwidth
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     gb = sorted({r["gbit"] for r in rows})
 
     def line(sel, label, **kw):
-        pts = [(g, mean([r["speedup"] for r in rows if sel(r) and r["gbit"] == g])) for g in gb]
-        pts = [(x, y) for x, y in pts if y is not None]
+        at = [{"gbit": g, "speedup": mean([r["speedup"] for r in rows if sel(r) and r["gbit"] == g])} for g in gb]
+        pts = points(at, "gbit", "speedup")
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label, **kw)
 
@@ -493,10 +483,7 @@ def plots(rows, ks, out: Path) -> list[str]:
     ax.set_ylabel("end-to-end speedup over (a) full-KV fetch")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_bandwidth.png", dpi=120)
-    files.append("speedup_vs_bandwidth.png")
-    plt.close(fig)
+    files.append(save(fig, out / "speedup_vs_bandwidth.png"))
     # 3) quality vs throughput (at the lowest bandwidth, where the link matters most)
     g0 = gb[0]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -528,15 +515,12 @@ def plots(rows, ks, out: Path) -> list[str]:
     ax.set_ylim(-0.05, 1.08)
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "quality_vs_speed.png", dpi=120)
-    files.append("quality_vs_speed.png")
-    plt.close(fig)
+    files.append(save(fig, out / "quality_vs_speed.png"))
     return files
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     import torch
 
@@ -561,7 +545,7 @@ def main(argv=None) -> int:
     lossy_grid = list(dict.fromkeys((c, g) for c, _, g in grid))
     all_gbits = sorted({g for _, _, g in grid} | set(args.gbits))
 
-    t_start = time.perf_counter()
+    t_start, load = time.perf_counter(), LoadAverage().start()
     torch.manual_seed(0)
     engine = VeriCacheEngine.from_pretrained(args.model)
     bench = Bench(engine, args)
@@ -632,9 +616,8 @@ def main(argv=None) -> int:
     rows = aggregate(runs, quality, ref_bytes)
     wall = time.perf_counter() - t_start
 
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    out = Results.create(args.out, argv)
+    cmd = out.command
     lens = {n: len(ids) for n, ids in prompt_ids.items()}
     vc_rows = [r for r in rows if r["method"] == "vericache"]
     all_identical = all(r["identical"] == r["prompts"] for r in vc_rows)
@@ -656,8 +639,7 @@ def main(argv=None) -> int:
         f"Command: `{cmd}`  Wall time: {wall:.0f} s",
     ]
     table = tables(rows, header)
-    (out / "table.md").write_text(table + "\n")
-    files = plots(rows, args.ks, out)
+    files = plots(rows, args.ks, out.path)
     payload = {
         "command": cmd,
         "wall_s": wall,
@@ -673,9 +655,9 @@ def main(argv=None) -> int:
         "runs": [{**{k: v for k, v in asdict(r).items() if k != "tokens"}, "decode_tps": r.decode_tps} for r in runs],
         "all_identical": all_identical,
         "plots": files,
+        "load_avg": load.stop(),
     }
-    (out / "results.json").write_text(json.dumps(payload, indent=2))
-    (out / "command.txt").write_text(cmd + "\n")
+    out.write(payload, table)
     print(json.dumps(payload, indent=2) if args.json else table)
     print(f"(d) == (a) on every row: {all_identical}", file=sys.stderr)
     print(f"wrote {out} in {wall:.0f} s", file=sys.stderr)

@@ -11,19 +11,24 @@ Reported MB/s = size / median seconds (MB = 1e6 bytes).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 
-import bench_paths
+from benchmarks.kit import paths
 
-bench_paths.setup()
+paths.setup()
 
 from storage_backends import open_backend  # noqa: E402
 

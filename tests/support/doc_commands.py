@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.kit.vllm_server import stop_group, wait_healthy
+
 from paths import ROOT
-from vllm_server import stop_group, wait_healthy
 
 SHELL = ("bash", "sh", "shell")
 MARKS = ("not run", "server", "expect", "expect within", "run by")

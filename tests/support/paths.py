@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -12,12 +12,6 @@ SUPPORT = ROOT / "tests" / "support"
 
 
 def load_benchmark(name: str):
-    """Import benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
-    import sys
-
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # the scripts import bench_paths, their sibling
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """benchmarks/<name>.py as the module benchmarks.<name> (the repository root is on sys.path under pytest:
+    pyproject.toml's pythonpath)."""
+    return importlib.import_module(f"benchmarks.{name}")

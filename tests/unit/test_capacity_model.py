@@ -2,15 +2,11 @@
 synthetic serving run (no model, no torch)."""
 
 import json
-import sys
 
 import pytest
 
-from paths import BENCH
-
-sys.path.insert(0, str(BENCH))
-import capacity_model as cap  # noqa: E402
-import cost_model as cm  # noqa: E402
+from benchmarks import capacity_model as cap
+from benchmarks import cost_model as cm
 
 # 1e12 B/s HBM, no compute limit; 2e9 weight bytes; 4 layers x 1 KV head x 125 dims x 2 B x (K, V) = 2000 B/token.
 HW = cm.Hardware("toy", hbm_bytes_per_s=1e12, flops=1e18, hbm_bytes=1e12)

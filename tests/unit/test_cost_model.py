@@ -1,14 +1,10 @@
 """The cost model's maths on hand-computed cases (no model, no torch)."""
 
 import json
-import sys
 
 import pytest
 
-from paths import BENCH
-
-sys.path.insert(0, str(BENCH))
-import cost_model as cm  # noqa: E402  (dataclasses look their module up: a real import)
+from benchmarks import cost_model as cm  # dataclasses look their module up: a real import
 
 # 1e12 B/s HBM, no compute limit; 1e9 params (2e9 weight bytes); 1000 B of KV per token; 1e6 tokens = 1e9 B.
 HW = cm.Hardware("toy", hbm_bytes_per_s=1e12, flops=1e18, hbm_bytes=1e12)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from benchmarks.kit.load import LoadAverage
+from benchmarks.kit.results import Results
+
 from paths import load_benchmark
 
 
@@ -44,13 +47,14 @@ def test_summary_carries_link_and_load_average(tmp_path):
     )
     rows = [row("full", tps=10.0), row("vericache", tps=25.0), row("vericache", sweep="link", link=0.08, tps=12.0)]
     ctx = dict(demand=1, prompts=[[1] * 5000], prefill_s=[1.0], cmd="python benchmarks/serving.py", threads=1)
-    mod.write(tmp_path, rows, args, ctx, complete=True)
+    ctx["load"] = LoadAverage().start()
+    mod.write(Results(tmp_path, ctx["cmd"]), rows, args, ctx, complete=True)
     doc = json.loads((tmp_path / "results.json").read_text())
     summary = {(r["sweep"], r["policy"]): r for r in doc["summary"]}
     assert summary[("budget", "vericache")]["ratio_vs_full"] == 2.5
     assert summary[("link", "vericache")]["ratio_vs_full"] == 1.2  # against the budget sweep's full-KV row
     assert summary[("link", "vericache")]["link_gbps"] == 0.08 and summary[("budget", "full")]["link_gbps"] is None
-    assert all(r["load_avg"] == 0.3 for r in doc["summary"]) and len(doc["load_avg"]) == 3
+    assert all(r["load_avg"] == 0.3 for r in doc["summary"]) and len(doc["load_avg"]["before"]) == 3  # 1, 5, 15 min
     assert "EMULATED" in doc["proxy"] and "byte cap" in doc["proxy"]
     assert "EMULATED" in (tmp_path / "table.md").read_text()
 
@@ -64,7 +68,8 @@ def test_capacity_model_rows_say_what_it_predicted_and_served(tmp_path):
     planned = {**row("vericache", tps=9.9), "capacity_model": True, "predicted_speedup": 0.8, "served_policy": "full"}
     rows = [row("full", tps=10.0), row("vericache", tps=7.0), planned]
     ctx = dict(demand=1, prompts=[[1] * 5000], prefill_s=[1.0], cmd="python benchmarks/serving.py", threads=1)
-    mod.write(tmp_path, rows, args, ctx, complete=True)
+    ctx["load"] = LoadAverage().start()
+    mod.write(Results(tmp_path, ctx["cmd"]), rows, args, ctx, complete=True)
     summary = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert [(r["capacity_model"], r["served_policy"]) for r in summary[1:]] == [(False, "vericache"), (True, "full")]
     assert summary[2]["predicted_speedup"] == 0.8 and abs(summary[2]["ratio_vs_full"] - 0.99) < 1e-9
@@ -90,7 +95,8 @@ def test_the_sweep_says_where_vericache_beats_full_kv(tmp_path):
         {**row("vericache", sweep="link", link=0.08, tps=12.0), "capacity_model": True, "served_policy": "vericache"},
     ]
     ctx = dict(demand=1, prompts=[[1] * 5000], prefill_s=[1.0], cmd="python benchmarks/serving.py", threads=1)
-    doc = mod.write(tmp_path, rows, args, ctx, complete=True)
+    ctx["load"] = LoadAverage().start()
+    doc = mod.write(Results(tmp_path, ctx["cmd"]), rows, args, ctx, complete=True)
     assert doc["wins"] == [
         {
             "budget_fraction": 0.1,

@@ -5,7 +5,6 @@ cost_model.py --serving printing the paper's table next to the model's predictio
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from vericache_connector.engine.config import ServingConfig
 from vericache_connector.engine.sequence import Request
 from vericache_connector.engine.serving import ServingEngine
 
-from paths import BENCH
 from tiny_model import tiny_engine
 
 # 1e12 B/s memory, no compute limit; 2e9 weight bytes; 2000 B of KV per token, 500k tokens: 1e9 B per request
@@ -110,8 +108,7 @@ def test_the_engine_serves_full_kv_where_the_model_predicts_a_loss(tiny, link, s
 
 
 def test_cost_model_prints_the_papers_table_within_the_bounds(tmp_path, capsys):
-    sys.path.insert(0, str(BENCH))
-    import cost_model
+    from benchmarks import cost_model
 
     out = tmp_path / "cm"
     assert cost_model.main(["--serving", "--out", str(out), "--serving-context", "32768"]) == 0

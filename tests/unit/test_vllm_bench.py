@@ -4,14 +4,12 @@ on fakes (no server, no model)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import vllm_bench  # noqa: E402
+from benchmarks import vllm_bench
+from benchmarks.vllm_load import client, configs, grid, report, summary, workload
+from benchmarks.vllm_load import logs as server_logs
 
 NEW = 4
 TEXTS = ["alpha beta", "gamma delta", "alpha beta", "epsilon zeta"]
@@ -37,7 +35,7 @@ def fake_client(texts, ttft_ms=100.0, throughput=50.0, lens=None):
 
 
 def run_row(config, client, concurrency=1, gbits=None, hits=0):
-    logs = vllm_bench.log_stats(
+    logs = server_logs.log_stats(
         "".join(f"hit r{i}: 256 tokens loaded (compressed copy after -, full after 0.50s)\n" for i in range(hits))
     )
     return {
@@ -57,7 +55,7 @@ def summarize(configs, runs, gbits=(0.4,), concurrency=(1,)):
         ["--configs", *configs, "--gbits", *map(str, gbits), "--concurrency", *map(str, concurrency), "--new", str(NEW)]
     )
     workload = {"requests": len(TEXTS), "documents": []}
-    return vllm_bench.summarize(args, runs, workload, {"before": (1.0, 1.0, 1.0), "after": (2.0, 2.0, 2.0)}, "cmd")
+    return summary.summarize(args, runs, workload, {"before": (1.0, 1.0, 1.0), "after": (2.0, 2.0, 2.0)}, "cmd")
 
 
 def by_config(result):
@@ -97,8 +95,14 @@ def test_summary_keys_ratios_and_identical():
         0.2
     )
     assert got["connector"]["hits"] == 2 and got["connector"]["mean_load_s"] == pytest.approx(0.5)
-    assert "client" not in result["runs"][0] and result["runs"][1]["client_json"] == "/fake/connector.json"
-    table = vllm_bench.table(result)
+    assert result["runs"][1]["client_json"] == "/fake/connector.json"
+    # per run: the client's figures per request and a digest per text; the texts themselves where a reader needs
+    # them (the reference run's; a run's that differ)
+    plain, conn = result["runs"][0]["client"], result["runs"][1]["client"]
+    assert plain["generated_texts"] == TEXTS and "generated_texts" not in conn
+    assert conn["text_digests"] == plain["text_digests"] and conn["input_lens"] == [300, 310, 300, 320]
+    assert conn["mean_ttft_ms"] == 100 and "itls" not in conn
+    table = report.table(result)
     assert "EMULATED" in table and "1.20x the best alternative (connector)" in table
     assert "connector TTFT / plain TTFT 0.25" in table
 
@@ -110,10 +114,12 @@ def test_one_differing_text_makes_identical_false():
         run_row("plain vLLM", fake_client(TEXTS)),
         run_row("connector", fake_client(changed), gbits=0.4),
     ]
-    got = by_config(summarize(["plain vLLM", "connector"], runs))
+    result = summarize(["plain vLLM", "connector"], runs)
+    got = by_config(result)
     assert got["plain vLLM"]["identical"] is True
     assert got["connector"]["identical"] is False
     assert got["connector"]["differing_requests"] == [2]
+    assert result["runs"][1]["client"]["generated_texts"] == changed  # a differing run keeps its texts
 
 
 def test_short_or_reordered_answers_are_not_identical():
@@ -150,7 +156,7 @@ def test_plan_workload_and_client_command(tmp_path):
     assert args.configs == ["plain vLLM", "connector", "connector + proposer"]
     assert (args.documents, args.doc_tokens, args.questions, args.new, args.compressor) == (4, 1800, 4, 64, "split16")
     assert (args.spec_k, args.ngram_k, args.gbits) == (32, 8, [0.1, 0.4])
-    runs = vllm_bench.plan_runs(args)
+    runs = grid.plan_runs(args)
     assert [r.name for r in runs[:3]] == [
         "r0-c1-nolink-plain",
         "r0-c1-0.1gbit-connector",
@@ -163,20 +169,20 @@ def test_plan_workload_and_client_command(tmp_path):
     # a fake tokenizer: one token per character; the store's chunk is 8 tokens
     args = vllm_bench.parse_args(["--documents", "2", "--doc-tokens", "20", "--questions", "3"])
     texts = {"short": "x" * 10, "a": "a" * 40, "b": "b" * 30, "c": "c" * 50}
-    work = vllm_bench.build_workload(args, texts, list, "".join, chunk=8)
+    work = workload.build_workload(args, texts, list, "".join, chunk=8)
     assert [d["name"] for d in work.documents] == ["a", "b"] and work.documents[0]["stored"] == 16
     assert len(work.requests) == 6 and {(r["document"], r["question"]) for r in work.requests} == {
         (d, q) for d in "ab" for q in range(3)
     }
     assert all(r["prompt"].startswith(r["document"] * 20) for r in work.requests)
-    again = vllm_bench.build_workload(args, texts, list, "".join, chunk=8)
+    again = workload.build_workload(args, texts, list, "".join, chunk=8)
     assert [r["prompt"] for r in again.requests] == [r["prompt"] for r in work.requests]  # fixed seed
     assert any("question tokens" in w for w in work.warnings)  # 20 + a question's tail fill a third chunk
     path = tmp_path / "d.jsonl"
-    vllm_bench.write_dataset(work, path, 7)
+    workload.write_dataset(work, path, 7)
     assert len(path.read_text().splitlines()) == 6
 
-    cmd = vllm_bench.client_command(args, "/m", "http://127.0.0.1:1", path, 6, 4, tmp_path / "r.json")
+    cmd = client.client_command(args, "/m", "http://127.0.0.1:1", path, 6, 4, tmp_path / "r.json")
     flags = " ".join(cmd[3:])
     for want in (
         "--dataset-name custom",
@@ -215,7 +221,7 @@ def test_log_stats_counts():
             "accepted [], 0 drafted in 0 streams, first token 0.30s, 2.10s",
         ]
     )
-    got = vllm_bench.log_stats(log)
+    got = server_logs.log_stats(log)
     assert got["hits"] == 2 and got["loads_s"] == [1.7, 6.6] and got["loaded_tokens"] == [1792, 1792]
     assert got["decisions"] == {"load": 1, "recompute": 2}
     assert got["load_failures"] == 1 and got["spec_log_accepted_drafted"] == [15, 26]
@@ -229,9 +235,9 @@ def test_the_router_topology_passes_the_verifier_decode_slots_to_the_router_only
     args = vllm_bench.parse_args(["--topology", "router"])
     assert args.verifier_decode_slots == RouterConfig.verifier_decode_slots  # the router's own default
     args = vllm_bench.parse_args(["--topology", "router", "--verifier-decode-slots", "0"])
-    ctx = vllm_bench.Context(args, "/m", 4096)
+    ctx = configs.Context(args, "/m", 4096)
     urls = {"verifier": "http://v", "drafter0": "http://d0", "drafter1": "http://d1"}
-    router, plain = (vllm_bench.BY_NAME[name] for name in ("router", "plain-replicas"))
+    router, plain = (grid.BY_NAME[name] for name in ("router", "plain-replicas"))
     assert router.router_argv(ctx, urls) == ["router", "--port", "0", "--verifier", "http://v",
                                              "--verifier-decode-slots", "0", "--drafter", "http://d0",
                                              "--drafter", "http://d1"]  # fmt: skip
@@ -239,7 +245,7 @@ def test_the_router_topology_passes_the_verifier_decode_slots_to_the_router_only
     args = vllm_bench.parse_args(
         ["--topology", "router", "--verifier-decode-slots", "4", "--max-verifier-decode-slots", "4"]
     )
-    assert router.router_argv(vllm_bench.Context(args, "/m", 4096), urls)[5:9] == [
+    assert router.router_argv(configs.Context(args, "/m", 4096), urls)[5:9] == [
         "--verifier-decode-slots", "4", "--max-verifier-decode-slots", "4"]  # fmt: skip
     with pytest.raises(SystemExit):
         vllm_bench.parse_args(["--topology", "router", "--verifier-decode-slots", "-1"])
@@ -254,16 +260,16 @@ def test_openmp_intel_preloads_the_environments_libiomp5_for_every_server(tmp_pa
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     with pytest.raises(SystemExit, match="libiomp5.so not found"):
-        vllm_bench.openmp_env("intel")
+        configs.openmp_env("intel")
     (tmp_path / "lib").mkdir()
     lib = tmp_path / "lib" / "libiomp5.so"
     lib.write_bytes(b"")
-    assert vllm_bench.openmp_env("intel") == {"LD_PRELOAD": str(lib)}
+    assert configs.openmp_env("intel") == {"LD_PRELOAD": str(lib)}
     monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc.so")  # kept, after ours
-    assert vllm_bench.openmp_env("intel") == {"LD_PRELOAD": f"{lib}:/x/libtcmalloc.so"}
+    assert configs.openmp_env("intel") == {"LD_PRELOAD": f"{lib}:/x/libtcmalloc.so"}
     monkeypatch.setenv("LD_PRELOAD", f"/x/libtcmalloc.so:{lib}")  # already there: as is
-    assert vllm_bench.openmp_env("intel") == {"LD_PRELOAD": f"/x/libtcmalloc.so:{lib}"}
-    assert vllm_bench.openmp_env("gnu") == {}
+    assert configs.openmp_env("intel") == {"LD_PRELOAD": f"/x/libtcmalloc.so:{lib}"}
+    assert configs.openmp_env("gnu") == {}
     with pytest.raises(SystemExit):
         vllm_bench.parse_args(["--openmp", "llvm"])
 
@@ -282,8 +288,43 @@ def test_a_libgomp_alternative_runs_without_the_intel_preload(tmp_path, monkeypa
         "plain vLLM, libgomp",
         "connector, libgomp",
     ]
-    ctx = vllm_bench.Context(args, "/m", 4096, gbits=0.1, store_url="local:///s", name="x")
-    env = {label: vllm_bench.BY_NAME[label].servers(ctx)["vllm"].env for label in args.configs}
+    ctx = configs.Context(args, "/m", 4096, gbits=0.1, store_url="local:///s", name="x")
+    env = {label: grid.BY_NAME[label].servers(ctx)["vllm"].env for label in args.configs}
     assert env["plain vLLM, libgomp"] == env["connector, libgomp"] == {"LD_PRELOAD": "/x/libtcmalloc.so"}
     assert env["plain vLLM"] == env["connector + proposer"] == {}  # the run's --openmp (the process environment)
-    assert vllm_bench.BY_NAME["connector, libgomp"].alternative and not vllm_bench.BY_NAME["connector, libgomp"].default
+    assert grid.BY_NAME["connector, libgomp"].alternative and not grid.BY_NAME["connector, libgomp"].default
+
+
+def test_a_workload_is_one_entry_of_the_table_and_its_figures_are_the_flags_defaults(monkeypatch):
+    args = vllm_bench.parse_args([])
+    assert (args.workload, args.documents, args.doc_tokens, args.questions, args.new) == ("short", 4, 1800, 4, 64)
+    assert (args.concurrency, args.gbits) == ([1, 4, 8], [0.1, 0.4])
+    assert vllm_bench.parse_args(["--new", "8", "--gbits", "0.2"]).new == 8  # a flag given wins
+    long = workload.WorkloadSpec("long", "long documents", 2, 7000, 1, 256, (1, 8, 16), (0.4,), texts=dict)
+    monkeypatch.setitem(workload.WORKLOADS, "long", long)
+    args = vllm_bench.parse_args(["--workload", "long"])
+    assert (args.documents, args.doc_tokens, args.new, args.concurrency, args.gbits) == (
+        2,
+        7000,
+        256,
+        [1, 8, 16],
+        [0.4],
+    )
+
+
+def test_the_connectors_load_lines_are_kept_without_vllms_prefix():
+    log = "\n".join(
+        [
+            "(EngineCore pid=31097) INFO 12-06 22:24:00 [scheduler.py:176] VeriCache load-or-recompute: cmpl-1: "
+            "recompute 0 of 1792 stored tokens (est. 2.64s; all 6.67s, none 2.64s)",
+            "(APIServer pid=1) INFO 12-06 22:24:01 [loggers.py:335] Engine 000: Avg prompt throughput: 5.7 tokens/s",
+            "(Worker pid=31110) INFO 12-06 22:23:59 [worker.py:225] hit cmpl-0: 1792 tokens loaded (full after 6.57s)",
+            "WARNING load of req-5 failed (TimeoutError: x): vLLM recomputes its 7 blocks",
+        ]
+    )
+    assert server_logs.excerpt(log) == [
+        "22:24:00 VeriCache load-or-recompute: cmpl-1: recompute 0 of 1792 stored tokens (est. 2.64s; all 6.67s, "
+        "none 2.64s)",
+        "22:23:59 hit cmpl-0: 1792 tokens loaded (full after 6.57s)",
+        "WARNING load of req-5 failed (TimeoutError: x): vLLM recomputes its 7 blocks",
+    ]

