@@ -142,8 +142,8 @@ def parse_args(argv=None):
         p.error(f"bad workload: --documents {a.documents}, --doc-tokens {a.doc_tokens}, --questions {a.questions}")
     if a.new < 2 or a.spec_k < 1 or a.ngram_k < 1 or a.rounds < 1:
         p.error(f"bad sizes: --new {a.new} (>= 2), --spec-k {a.spec_k}, --ngram-k {a.ngram_k}, --rounds {a.rounds}")
-    if any(c < 1 for c in a.concurrency) or any(not g > 0 for g in a.gbits):
-        p.error(f"--concurrency must be >= 1 and --gbits > 0, got {a.concurrency} / {a.gbits}")
+    if any(c < 1 for c in a.concurrency) or any(not g >= 0 for g in a.gbits):
+        p.error(f"--concurrency must be >= 1 and --gbits >= 0 (0: beside the store), got {a.concurrency} / {a.gbits}")
     a.concurrency = sorted(set(a.concurrency))
     a.gbits = sorted(set(a.gbits))
     return a

@@ -49,7 +49,8 @@ def link_scale(args) -> float:
 
 
 def link_bytes_per_s(ctx: "Context") -> float | None:
-    return None if ctx.gbits is None else ctx.gbits * 1e9 / 8 * link_scale(ctx.args)
+    """The emulated link's bytes/s (None: no link emulated: no store, or 0 Gbit/s = beside the store)."""
+    return ctx.gbits * 1e9 / 8 * link_scale(ctx.args) if ctx.gbits else None
 
 
 @dataclass
@@ -124,6 +125,14 @@ CONFIGURATIONS = (
     Configuration("plain vLLM", "plain", reads_store=False),
     Configuration("connector", "connector"),
     Configuration("connector + ngram", "connector-ngram", spec="ngram"),
+    # the same proposer with the compressed copy never used (no pre-drafts, no compressed-KV drafts): what
+    # n-gram matches and the proposer's pacing give without VeriCache's drafts
+    Configuration(
+        "connector + proposer, n-gram only",
+        "connector-proposer-ngram",
+        spec="proposer",
+        env=(("VERICACHE_DRAFTS", "ngram"),),
+    ),
     Configuration("connector + proposer", "connector-proposer", spec="proposer", alternative=False),
     # vLLM turns its async scheduling off for any custom_class proposer (ours): what that alone costs
     Configuration(

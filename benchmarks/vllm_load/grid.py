@@ -26,7 +26,7 @@ class Run:
 
     @property
     def name(self) -> str:
-        link = "nolink" if self.gbits is None else f"{self.gbits:g}gbit"
+        link = "nolink" if self.gbits is None else "beside" if not self.gbits else f"{self.gbits:g}gbit"
         return f"r{self.round}-c{self.concurrency}-{link}-{self.config.slug}"
 
 

@@ -64,6 +64,47 @@ def _router(text: str) -> tuple[dict[str, int], int, int]:
     return paths, calls, accepted
 
 
+# the proposer's periodic line: "... steps by batch (ms) {1: 53, 8: 73}, view draft steps by rows (ms) {8: 41.2}"
+_STEPS = re.compile(r"steps by batch \(ms\) \{([^}]*)\}")
+_VIEW_STEPS = re.compile(r"view draft steps by rows \(ms\) \{([^}]*)\}")
+_CACHE_DRAFT = re.compile(r"VeriCache proposer: \{.*?\}, draft ([\d.]+) ms")
+# the connector's counters on vLLM's /metrics: tokens vLLM accepted of the proposer's drafts, by source
+_ACCEPTED = re.compile(r'^vericache_accepted_tokens(?:_total)?\{[^}]*source="(\w+)"[^}]*\} ([\d.e+]+)$', re.M)
+
+
+def _by_size(text: str) -> dict[str, float]:
+    """ "1: 53, 8: 73.5" -> {"1": 53.0, "8": 73.5}."""
+    return {k.strip(): float(v) for k, v in (p.split(":") for p in text.split(",") if ":" in p)}
+
+
+def step_times(text: str) -> dict:
+    """The proposer's last word on step times: vLLM's steps without drafts by batch size (target_step_ms), one
+    batched view draft step by rows (draft_step_ms), one draft step on a store copy's draft cache (ms)."""
+    steps, views, cache = _STEPS.findall(text), _VIEW_STEPS.findall(text), _CACHE_DRAFT.findall(text)
+    return {
+        "target_step_ms": _by_size(steps[-1]) if steps else None,
+        "draft_step_ms": _by_size(views[-1]) if views else None,
+        "cache_draft_step_ms": float(cache[-1]) if cache else None,
+    }
+
+
+def accepted_by_source(metrics_text: str) -> dict[str, int] | None:
+    """Tokens vLLM accepted of the proposer's drafts by source, from a server's /metrics (None: no proposer)."""
+    got = _ACCEPTED.findall(metrics_text)
+    return {source: int(float(n)) for source, n in got} if got else None
+
+
+def scrape(base_url: str, timeout_s: float = 30) -> str:
+    """A server's /metrics text ("" if it does not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as r:
+            return r.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def log_stats(text: str) -> dict:
     """The connector's and vLLM's counts in one run's server logs."""
     hits = re.findall(r"hit (\S+): (\d+) tokens loaded(.*)", text)
@@ -82,6 +123,7 @@ def log_stats(text: str) -> dict:
         "router_paths": paths,
         "router_verify_calls": calls,
         "router_accepted": accepted,
+        **step_times(text),
     }
 
 

@@ -15,7 +15,7 @@ from benchmarks.vllm_load.summary import EMULATED
 
 
 def link_name(gbits) -> str:
-    return "-" if gbits is None else f"{gbits:g} Gbit/s"
+    return "-" if gbits is None else "beside the store" if not gbits else f"{gbits:g} Gbit/s"
 
 
 def row_line(s: dict) -> str:
@@ -47,6 +47,33 @@ HEADER = (
 )
 
 
+SOURCES_HEADER = (
+    "| link | concurrency | configuration | accepted: compressed / pre-draft / n-gram | compressed + pre-draft share "
+    "| vLLM step ms by batch | view draft step ms by rows | draft / vLLM step |\n|---|---:|---|---:|---:|---|---|---|"
+)
+
+
+def step_ratios(target: dict | None, draft: dict | None) -> str:
+    """A view draft step over R rows / vLLM's step at batch R, for each R both were measured at."""
+    both = sorted(set(target or {}) & set(draft or {}), key=int)
+    return ", ".join(f"{r}: {draft[r] / target[r]:.2f}" for r in both if target[r]) or "-"
+
+
+def sources_line(s: dict) -> str:
+    """Where a row's accepted tokens came from, and the proposer's step times."""
+    acc = s.get("accepted_by_source") or {}
+    n = {k: acc.get(k, 0) for k in ("compressed", "predraft", "ngram")}
+    total = sum(n.values())
+    share = f"{(n['compressed'] + n['predraft']) / total:.0%}" if total else "-"
+    steps = ", ".join(f"{k}: {v:g}" for k, v in (s.get("target_step_ms") or {}).items()) or "-"
+    drafts = ", ".join(f"{k}: {v:g}" for k, v in (s.get("draft_step_ms") or {}).items()) or "-"
+    return (
+        f"| {link_name(s['gbits'])} | {s['concurrency']} | {s['configuration']} "
+        f"| {n['compressed']} / {n['predraft']} / {n['ngram']} | {share} | {steps} | {drafts} "
+        f"| {step_ratios(s.get('target_step_ms'), s.get('draft_step_ms'))} |"
+    )
+
+
 def table(result: dict) -> str:
     a, w = result["args"], result["workload"]
     out = [
@@ -61,6 +88,9 @@ def table(result: dict) -> str:
     ]
     out += [row_line(s) for s in result["summary"]]
     out.append("")
+    sources = [s for s in result["summary"] if s.get("accepted_by_source") or s.get("target_step_ms")]
+    if sources:
+        out += [SOURCES_HEADER] + [sources_line(s) for s in sources] + [""]
     points = sorted({(s["gbits"], s["concurrency"]) for s in result["summary"]})
     for g, c in points:
         point = {s["configuration"]: s for s in result["summary"] if (s["gbits"], s["concurrency"]) == (g, c)}
@@ -91,7 +121,11 @@ def table(result: dict) -> str:
         "accepted / drafted: vLLM's speculative-decoding counts over the client's requests; for the router, its "
         "requests by path (verified: drafts checked by the verifier; direct: decoded on the verifier by itself, "
         "the alternatives have no such node; fallback / alone: served without drafts) and the drafts accepted per "
-        "verify call.",
+        "verify call. accepted (second table): tokens vLLM accepted of the proposer's drafts by source, over the "
+        "rounds (the connector's counters on /metrics): compressed-KV drafts (on a view of the request's own KV, or "
+        "a store copy's draft cache), pre-drafts (on the compressed copy while the full copy loaded), n-gram "
+        "matches. vLLM step ms by batch: the proposer's median of vLLM's steps without drafts at each batch size; "
+        "view draft step ms by rows: one batched draft step over that many rows' views.",
     ]
     return "\n".join(out)
 
@@ -102,7 +136,7 @@ def plot(summary: list[dict], path: Path) -> None:
     labels = [c.label for t in TOPOLOGIES.values() for c in t]
     for ax, g in zip(axes[0], links):
         lines(ax, [s for s in summary if s["gbits"] == g], "configuration", "concurrency", "output_throughput", labels)
-        ax.set_title(f"store link {g:g} Gbit/s (EMULATED)")
+        ax.set_title("beside the store (no link emulated)" if not g else f"store link {g:g} Gbit/s (EMULATED)")
         ax.set_xlabel("concurrency (client --max-concurrency)")
         ax.set_xticks(sorted({s["concurrency"] for s in summary}))
         ax.grid(alpha=0.3)

@@ -23,7 +23,7 @@ from benchmarks.kit.results import Results
 from benchmarks.vllm_load.client import check_client_flags, client_command, client_metrics
 from benchmarks.vllm_load.configs import Context, link_scale, openmp_env, writer_config
 from benchmarks.vllm_load.grid import BY_NAME, REFERENCE, Run, plan_runs
-from benchmarks.vllm_load.logs import excerpt, log_stats, read_logs, wait_saves
+from benchmarks.vllm_load.logs import accepted_by_source, excerpt, log_stats, read_logs, scrape, wait_saves
 from benchmarks.vllm_load.report import link_name, plot, table
 from benchmarks.vllm_load.summary import EMULATED, summarize
 from benchmarks.vllm_load.workload import (
@@ -162,6 +162,7 @@ def execute(args, model, max_len, run: Run, dataset: Path, requests: int, store_
             if proc.returncode != 0:
                 tail = client_log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"the client exited with {proc.returncode}: {tail}")
+            row["accepted_by_source"] = accepted_by_source(scrape(base))  # before the servers stop
         row["client"] = json.loads(result.read_text())
         row["client_json"] = str(result.relative_to(out.path))
     except Exception as e:  # noqa: BLE001 - the row records it; the sweep goes on

@@ -78,6 +78,15 @@ def compare_point(s: dict, point: list[dict], ref_label: str, ours: str) -> None
     s["fetch_over_decode"] = loaders[0]["mean_load_s"] / decode if loaders and decode else None
 
 
+def mean_by_key(dicts) -> dict[str, float] | None:
+    """Per-key means of {key: value} dicts (None where none has any)."""
+    keys: dict[str, list[float]] = {}
+    for d in dicts:
+        for k, v in (d or {}).items():
+            keys.setdefault(k, []).append(v)
+    return {k: round(statistics.fmean(v), 1) for k, v in sorted(keys.items(), key=lambda kv: int(kv[0]))} or None
+
+
 def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     """One summary entry from the runs of one (configuration, link, concurrency), one per round."""
     done = [r for r in mine if r.get("metrics")]
@@ -101,6 +110,11 @@ def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     acc = [r["client"].get("spec_decode_accepted_tokens") for r in done if r.get("client")]
     dra = [r["client"].get("spec_decode_draft_tokens") for r in done if r.get("client")]
     out["accepted_drafted"] = [sum(x or 0 for x in acc), sum(x or 0 for x in dra)] if any(dra) else None
+    # where the accepted tokens came from (compressed-KV drafts, pre-drafts, n-gram matches), over the rounds, and
+    # the proposer's step times: vLLM's step by batch size, one batched view draft step by rows drafting
+    out["accepted_by_source"] = summed(r.get("accepted_by_source") for r in done) or None
+    out["target_step_ms"] = mean_by_key(lg.get("target_step_ms") for lg in logs)
+    out["draft_step_ms"] = mean_by_key(lg.get("draft_step_ms") for lg in logs)
     out["router_paths"] = summed(lg.get("router_paths") for lg in logs) or None  # verified / direct / alone ...
     calls = sum(lg.get("router_verify_calls", 0) for lg in logs)
     out["accepted_per_verify_call"] = sum(lg.get("router_accepted", 0) for lg in logs) / calls if calls else None

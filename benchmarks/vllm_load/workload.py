@@ -32,6 +32,13 @@ def bundled_prompts() -> dict[str, str]:
     return load_prompts()
 
 
+def long_documents() -> dict[str, str]:
+    """The bundled long documents (vericache_connector/data/prompts/long: 6.6-7.4k tokens each), by name."""
+    from vericache_connector.data import load_long_documents
+
+    return load_long_documents()
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """A named workload: the documents it cuts and the grid it runs by default."""
@@ -59,6 +66,20 @@ WORKLOADS = {
             new=64,
             concurrency=(1, 4, 8),
             gbits=(0.1, 0.4),
+        ),
+        # LMCache's long-document QA shape, where reading the KV dominates a decode step: documents near the
+        # model's 8k context, long answers, many requests at once; beside the store (0: no link emulated, the
+        # rows measure decoding) and across the design card's slow link
+        WorkloadSpec(
+            "long",
+            "long documents (data/prompts/long) cut to 6,400 tokens, 4 questions each, 256 new tokens",
+            documents=4,
+            doc_tokens=6400,
+            questions=4,
+            new=256,
+            concurrency=(1, 8, 16),
+            gbits=(0.0, 0.1),
+            texts=long_documents,
         ),
     )
 }
@@ -144,7 +165,7 @@ def describe(args, work: Workload, chunk: int, per_token: int | None, link_scale
         "new_tokens": args.new,
         "chunk": chunk,
         "full_copy_bytes": None if per_token is None else per_token * shared,
-        "link_s": {f"{g:g}": per_token * shared * 8 / (g * 1e9 * link_scale) for g in args.gbits}
+        "link_s": {f"{g:g}": per_token * shared * 8 / (g * 1e9 * link_scale) for g in args.gbits if g > 0}
         if per_token
         else None,
         "link_scaled_to": args.scale_to,

@@ -200,3 +200,22 @@ def test_a_row_drafts_only_into_the_slots_its_blocks_hold(drafting):
     assert drafter.room(0, 301) == 20
     got = drafter.draft([(0, prompts[0] + refs[0][:1], 32)])
     assert len(got[0]) == 20
+
+
+def test_key_bounds_are_taken_once_per_block_and_again_when_vllm_gives_the_block_other_tokens():
+    from vericache_connector.integration.vllm.proposer.view_draft import KeyBounds
+
+    caches = [vllm_cache(6, seed=s) for s in (1, 2)]
+    kb = KeyBounds(HK, D)
+    kb.update(caches, torch.tensor([1, 3]))
+    keys = [kv_views(c, HK, D, keys_transposed=True)[0] for c in caches]
+    for layer, k in enumerate(keys):
+        torch.testing.assert_close(kb.table[layer, 3], key_bounds(k[3:4])[0])
+    assert kb.known.tolist() == [False, True, False, True, False, False]
+    before = kb.table[1, 1].clone()
+    keys[1][1].mul_(3.0)  # other keys in a later layer only: the fingerprint (layer 0) is the same
+    kb.update(caches, torch.tensor([1]))
+    assert torch.equal(kb.table[1, 1], before)  # not read again
+    keys[0][1].add_(1.0)  # the block holds other tokens now
+    kb.update(caches, torch.tensor([1]))
+    torch.testing.assert_close(kb.table[1, 1], key_bounds(keys[1][1:2])[0])
