@@ -160,7 +160,8 @@ def drafting():
 
     eng = tiny_engine(seed=4, num_layers=3)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 257, 200)]
+    # the last row's drafts cross into a new block (position 288) at the third draft step
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 257, 200, 286)]
     refs = [eng.generate_full([eng.prefill(p)], DecodeConfig(max_new_tokens=12, stop_at_eos=False))[0] for p in prompts]
     return eng, VLLMLayers(FakeVLLMLlama(eng.model)), prompts, refs
 
@@ -173,14 +174,14 @@ def test_view_drafts_on_a_whole_view_are_the_models_greedy_tokens_and_write_only
 
     eng, layers, prompts, refs = drafting
     state = fake_runner(eng.model, prompts, blocks_per_row=11, eng=eng)
-    rows = [(r, prompts[r] + refs[r][:1], 8) for r in range(3)]
+    rows = [(r, prompts[r] + refs[r][:1], 8) for r in range(4)]
     whole = ViewDrafter(layers, state, ViewPolicy(sink=20, selected=0, recent=0))
     drafts = whole.draft(rows)
     assert drafts == [ref[1:9] for ref in refs]
     before = [c.clone() for c in state.layers()]
     small = ViewDrafter(layers, state, ViewPolicy(sink=1, selected=1, recent=1))
     got = small.draft([(r, row, x) for r, row, x in rows])
-    assert [len(d) for d in got] == [8, 8, 8]
+    assert [len(d) for d in got] == [8, 8, 8, 8]
     for layer, old in zip(state.layers(), before):
         k_new, v_new = kv_views(layer, layer.shape[1], layer.shape[3] // 2, keys_transposed=True)
         k_old, v_old = kv_views(old, old.shape[1], old.shape[3] // 2, keys_transposed=True)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ logger = init_logger("vllm.vericache")  # under vLLM's logging config, so its li
 
 NGRAM = (2, 4)  # prompt-lookup n-gram sizes (vLLM's ngram method: prompt_lookup_min / _max)
 DRAFT_WEIGHTS_ENV = "VERICACHE_DRAFT_WEIGHTS"
-LOG_EVERY = 200  # a stats line every this many proposals
+LOG_EVERY, LOG_EVERY_S = 200, 15.0  # a stats line every this many proposals, or seconds
 
 
 class CompressedKVProposer:
@@ -104,6 +105,7 @@ class CompressedKVProposer:
         self.runner: RunnerState | None = None
         self.view: ViewDrafter | None = None
         self.view_pacer, self.view_rows = ViewPacer(self.pacer), ViewRows()
+        self._logged = time.monotonic()  # the last stats line
 
     @property
     def accepted(self) -> dict[str, int]:
@@ -251,7 +253,9 @@ class CompressedKVProposer:
             self.view_rows.keep(running)
         self.caches.finish_absent(present)
         self.stats["proposals"] += 1
-        if self.stats["proposals"] % LOG_EVERY == 0:
+        now = time.monotonic()
+        if self.stats["proposals"] % LOG_EVERY == 0 or now - self._logged > LOG_EVERY_S:
+            self._logged = now
             logger.info(
                 "VeriCache proposer: %s, %s, %s; %s",
                 self.stats,

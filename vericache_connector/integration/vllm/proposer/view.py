@@ -69,12 +69,15 @@ def key_bounds(keys: Tensor) -> Tensor:
 
 def block_scores(q: Tensor, bounds: Tensor) -> Tensor:
     """Quest's upper bound of q.k per block. q [R, Hq, D] (one query per row), bounds [R, B, H_kv, 2, D] ->
-    [R, B]: per block the largest bound over the query heads (grouped onto their KV heads)."""
+    [R, B]: per block the largest bound over the query heads (grouped onto their KV heads). The bound
+    sum_d max(q_d min_d, q_d max_d) is q+ . max + q- . min (q+ / q-: q's positive / negative parts): two
+    batched matmuls, no [R, B, H, D] product in memory."""
     r, hq, d = q.shape
     hk = bounds.shape[2]
-    qg = q.view(r, 1, hk, hq // hk, 1, d)  # [R, 1, H_kv, group, 1, D]
-    per_channel = (qg * bounds[:, :, :, None]).amax(dim=4)  # max(q min, q max): [R, B, H_kv, group, D]
-    return per_channel.sum(dim=-1).amax(dim=-1).amax(dim=-1)
+    qg = q.view(r, hk, hq // hk, d)
+    lo, hi = bounds[:, :, :, 0], bounds[:, :, :, 1]  # [R, B, H_kv, D]
+    s = torch.einsum("rhgd,rbhd->rbhg", qg.clamp(min=0), hi) + torch.einsum("rhgd,rbhd->rbhg", qg.clamp(max=0), lo)
+    return s.amax(dim=-1).amax(dim=-1)
 
 
 def view_tables(

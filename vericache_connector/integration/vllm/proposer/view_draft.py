@@ -57,13 +57,16 @@ class ViewDrafter:
         bounds = self._row_bounds(index, pos, blocks, caches) if self.policy.selected else None
         out: list[list[int]] = [[] for _ in rows]
         t0, steps = time.perf_counter(), int(want.max()) if len(rows) else 0
+        scores: list[Tensor | None] = [None] * len(caches)  # per layer: the view's block scores
         alive = torch.arange(len(rows))  # which of `rows` each batch row of this step is
         hq, hk, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
+        tables: list[Tensor] = []  # per layer: the rows' views, kept while no row's tail block fills up
         for step in range(steps):
             live = want > step
+            refresh = step == 0 or not bool(live.all()) or bool((pos % bs == 0).any())
             if not bool(live.all()):  # rows that have their drafts leave the batch
                 blocks, pos, ids, want, alive = blocks[live], pos[live], ids[live], want[live], alive[live]
-                bounds = None if bounds is None else [b[live] for b in bounds]
+                scores = [None if s is None else s[live] for s in scores]
             n = len(alive)
             slots = blocks.gather(1, (pos // bs)[:, None]).flatten().long() * bs + pos % bs
             qsl = torch.arange(n + 1, dtype=torch.int32)
@@ -72,18 +75,22 @@ class ViewDrafter:
                 q, k, v = lay.qkv(i, x, pos)
                 key_cache, value_cache = _kernel_views(layer_kv, hk, d)
                 PA.paged_write(key_cache, value_cache, k.view(n, hk, d), v.view(n, hk, d), slots, "float32")
-                scores = None if bounds is None else block_scores(q.view(n, hq, d), bounds[i])
-                table, seq_lens = view_tables(blocks, pos, self.policy, bs, scores)
+                if bounds is not None and step == 0:  # blocks chosen with the first query, for all of this draft
+                    scores[i] = block_scores(q.view(n, hq, d), bounds[i])
+                if refresh:
+                    table, seq_lens = view_tables(blocks, pos, self.policy, bs, scores[i])
+                    tables = tables[:i] + [table]
                 if plan is None:  # the same view lengths in every layer: one plan per step
                     plan = PA.paged_attention_plan(q.view(n, hq, d), hk, qsl, seq_lens, "float32")
                 o = PA.paged_attention(
-                    q.view(n, hq, d), key_cache, value_cache, qsl, seq_lens, table, "float32", plan=plan
+                    q.view(n, hq, d), key_cache, value_cache, qsl, seq_lens, tables[i], "float32", plan=plan
                 )
                 x = lay.after_attention(i, x, o.view(n, hq * d))
             ids = lay.logits(x).argmax(dim=-1)
             for r, token in zip(alive.tolist(), ids.tolist()):
                 out[r].append(token)
             pos = pos + 1
+            seq_lens = seq_lens + 1  # each view holds the token just drafted (a full tail block: refreshed)
         self.step_s = (time.perf_counter() - t0) / steps if steps else None
         return out
 
