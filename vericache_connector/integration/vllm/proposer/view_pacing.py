@@ -6,8 +6,8 @@ ViewPacer. The rows that draft on their views draft TOGETHER: one batched draft 
 (E as in pacing.py: the tokens a row emits at per-draft acceptance a_r) in t_v(B) + x t_d(R) + c R x seconds
 (x draft steps, then each draft one more row of the verify forward). One x for all of them: the best, proposed
 only if that rate beats plain decoding's B / t_v(B) by MARGIN; each row then gets at most its own room.
-t_d(R) is measured per number of rows (a line through the sizes seen for sizes not seen); until it is, one
-draft step measures it. The BatchSwitch (pacing.py) still decides, measured, whether drafting raises vLLM's
+t_d(R) is measured per number of rows (a line through the sizes seen for sizes not seen); until MEASURE_STEPS
+steps are, each proposal is one draft (its step measures it). The BatchSwitch (pacing.py) still decides, measured, whether drafting raises vLLM's
 output at this batch size at all.
 
 ViewRows. Per request (vLLM's request id: the runner knows which request each row is), its acceptance estimate
@@ -22,6 +22,8 @@ import statistics
 from ....engine.planner import AcceptanceEstimate, expected_tokens
 from .chains import common
 from .pacing import MARGIN, SAMPLES, DraftPacer, by_size, new_estimate
+
+MEASURE_STEPS = 3  # view draft steps measured (one draft each) before their cost decides
 
 
 class ViewPacer:
@@ -43,9 +45,9 @@ class ViewPacer:
         room = min(room, self.pacer.k_max)
         if t_v is None or rows == 0 or room < 1:
             return 0
+        if sum(len(d) for d in self._steps.values()) < MEASURE_STEPS:
+            return 1  # measuring: a first draft step also pays for warm-ups, one sample is not the cost
         t_d = self.step_s(rows)
-        if t_d is None:
-            return 1
         c, plain = self.pacer.per_draft_s, batch / t_v
         best_x, best_rate = 0, plain
         for x in range(1, room + 1):
