@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from storage_backends.base import open_backend
+from storage_backends import open_backend
 
 from k8s_objects import SECRETS, all_objects, docs, find, helm_values, kv_transfer_config, secret_volume_of
 from paths import K8S
