@@ -103,7 +103,8 @@ def test_redis_start_script_serves_with_the_files_password(tmp_path, password):
     import time
     from urllib.parse import quote
 
-    from stores import free_port, need, run
+    from net import free_port
+    from stores import need, run
 
     need(shutil.which("redis-server") and shutil.which("redis-cli"), "redis-server/redis-cli are not installed")
     c = redis_container(redis_deployments()[0])

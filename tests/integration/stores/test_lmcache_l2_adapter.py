@@ -29,14 +29,14 @@ from lmcache_l2 import (
     random_layers,
     retrieve_prompt_kv,
     store_prompt_kv,
-    wait_until,
 )
 
 from storage_backends import DualCopyStore, open_backend
 from vericache_connector.compressors import LayeredKV, get_compressor
 from vericache_connector.integration.lmcache.chain_tap import TAP
 
-from stores import free_port, has_module, need, random_tokens, run
+from net import free_port, wait_until
+from stores import has_module, need, random_tokens, run
 
 MODEL, MODEL_ID = "org/smol", "smol.0123"
 SPEC = get_compressor("kivi4").spec
