@@ -9,11 +9,11 @@ from .base import (
     StorageBackend,
     StoreError,
     StoreUnavailable,
-    open_backend,
     redact_url,
 )
 from .credentials import Mac, read_secret_file, redact_text, secret_from_env
 from .dual_store import DualCopyStore, PutResult
+from .factory import open_backend
 from .identity import dtype_str
 from .keys import FULL, ChunkKey, KeySpace, chain_hashes, stored_prefix_len
 from .manifest import LayerEntry, Manifest, UnauthenticatedObject, checksum

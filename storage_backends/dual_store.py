@@ -35,8 +35,9 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 import torch
 
-from .base import CorruptObject, MissingObject, StorageBackend, StoreError, logger, open_backend
+from .base import CorruptObject, MissingObject, StorageBackend, StoreError, logger
 from .credentials import MAC_ALGO, Mac
+from .factory import open_backend
 from .keys import FULL, ChunkKey, KeySpace, check_spec
 from .manifest import LayerEntry, Manifest, RunningChecksum, UnauthenticatedObject, checksum
 from .serialization import decode_layer, read_header, serialize

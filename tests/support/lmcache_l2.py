@@ -24,6 +24,8 @@ import uuid
 
 import torch
 
+from net import wait_until
+
 CHUNK = 256
 ADAPTER = {
     "type": "plugin",
@@ -144,15 +146,6 @@ class Driver:
         tid = self.adapter.submit_load_task(keys, objs)
         bitmap = self._wait(self.adapter.get_load_event_fd(), lambda: self.adapter.query_load_result(tid))
         return [bitmap.test(i) for i in range(len(keys))]
-
-
-def wait_until(pred, seconds: float = 30.0, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 class LMCacheServer:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 from aiohttp import web
 
 from vericache_connector.router.config import RouterConfig
 from vericache_connector.router.server import Router, make_app
+
+from net import free_port
 
 VOCAB, EOS = 1000, 7
 TOKEN = "t" * 24
@@ -36,12 +37,6 @@ def greedy(prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(truth(seq))
     return seq[len(prompt) :]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STREAM_TRUE = (True, 1, "true", "True", "1", "yes", "on")  # what vLLM's pydantic model reads as true

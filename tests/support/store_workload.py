@@ -11,7 +11,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from stores import free_port, need
+from net import free_port
+from stores import need
 
 
 class RedisNode:
@@ -57,20 +58,6 @@ class RedisNode:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
-
-
-def wait_for(what: str, check, timeout_s: float = 20.0, every_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            got = check()
-            if got:
-                return got
-        except Exception:  # noqa: BLE001 - not ready yet
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(every_s)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Helpers for the tests that talk to stores: fault injectors (a private killable redis-server, a
-relay that drops connections, a server that never answers), random KV, and `need`.
+"""Helpers for the tests that talk to stores: fault injectors (a private killable redis-server, a server
+that never answers; the relay that drops connections is net.TcpProxy), random KV, and `need`.
 
 The store URL fixtures that use them live in tests/conftest.py. Servers come from .ci/services.sh, which
 `make test` runs (.ci/with-services.sh): VERICACHE_REDIS_URL, VERICACHE_S3_ENDPOINT, or, for a server that
@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from net import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -37,14 +39,6 @@ def need(ok: bool, reason: str) -> None:
 def run(coro, timeout: float = 120):
     """Run a coroutine to completion in a fresh event loop, with an overall limit."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def has_module(name: str) -> bool:
@@ -83,64 +77,6 @@ class RedisProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-class TcpProxy:
-    """Loopback TCP relay to target; close() drops every connection mid-transfer."""
-
-    def __init__(self, target_host: str, target_port: int):
-        self.target = (target_host, target_port)
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self.closed = False
-        self.bytes_relayed = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, 5)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)  # the 5 s is for connecting: an idle pooled connection must stay up
-            self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                self.bytes_relayed += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.closed = True
-        for s in [self.sock, *self.conns]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
 
 
 class SilentServer:

@@ -1,16 +1,16 @@
 """Real processes on 127.0.0.1 for the drafters + verifier tests: `vericache verifier`, `vericache drafter`
-and a fake verifier (fake_verifier.py) that answers garbage or nothing. Each process logs to a file; it is
-ready once it prints its "serving ... on <url>" line; stop() sends SIGTERM, kill() SIGKILL (a crash).
+and a fake verifier (fake_verifier.py) that answers garbage or nothing, each the demo's procs.Proc (logging
+to a file; ready once it prints its "serving ... on <url>" line; stop() sends SIGTERM, kill() SIGKILL: a crash).
 The processes get the token and the CURVE keys below by environment (never argv), as pods get Secrets."""
 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
 import sys
-import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a process starts: vericache_connector.demo imports torch
+    from vericache_connector.demo import procs
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "verifier-test-token-0123456789abcdef"  # tests only; real ones come from a Secret
@@ -59,58 +59,33 @@ def dealer(url: str, secret: bytes = CLIENT_SECRET, public: bytes = CLIENT_PUBLI
     return sock
 
 
-class Proc:
-    def __init__(self, argv: list[str], log_path: str, env: dict[str, str] | None = None, ready_s: float = 180):
-        self.argv, self.log_path = argv, log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env or proc_env(), start_new_session=True
-        )
-        deadline = time.monotonic() + ready_s
-        while True:
-            m = re.search(r"serving .* on (\S+)", self.log())
-            if m:
-                self.url = m.group(1)
-                self.port = int(self.url.rsplit(":", 1)[1])
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"{argv[2:4]} did not start (exit {self.proc.returncode}):\n{self.log()[-3000:]}")
-            time.sleep(0.2)
+def start(name: str, argv: list[str], log_path: str, env=None, ready_s: float = 180, program=None) -> procs.Proc:
+    """procs.Proc(...) once it serves; when it exits or is not serving within ready_s: killed, and RuntimeError
+    with its log's tail."""
+    from vericache_connector.demo import procs
 
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def stop(self) -> None:
-        self._signal(signal.SIGTERM)
-
-    def _signal(self, sig) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+    p = procs.Proc(name, argv, log_path, env or proc_env(), program=program)
+    try:
+        p.wait_ready(ready_s)
+    except RuntimeError:
+        p.kill()
+        raise RuntimeError(f"{p.argv[2:4]} did not start (exit {p.proc.returncode}):\n{p.log()[-3000:]}") from None
+    return p
 
 
-def verifier(store: str, log_path: str, port: int = 0, ttl_s: float = 30.0, **env) -> Proc:
-    argv = [sys.executable, "-m", "vericache_connector", "verifier", "--port", str(port), "--ttl-s", str(ttl_s)]
-    return Proc(argv, log_path, proc_env(VERICACHE_STORE_URL=store, **env))
+def verifier(store: str, log_path: str, port: int = 0, ttl_s: float = 30.0, **env) -> procs.Proc:
+    argv = ["verifier", "--port", str(port), "--ttl-s", str(ttl_s)]
+    return start("verifier", argv, log_path, proc_env(VERICACHE_STORE_URL=store, **env))
 
 
-def drafter(store: str, verifier_url: str, log_path: str, *extra: str) -> Proc:
-    argv = [sys.executable, "-m", "vericache_connector", "drafter", "--port", "0", "--verifier", verifier_url, *extra]
-    return Proc(argv, log_path, proc_env(VERICACHE_STORE_URL=store))
+def drafter(store: str, verifier_url: str, log_path: str, *extra: str) -> procs.Proc:
+    argv = ["drafter", "--port", "0", "--verifier", verifier_url, *extra]
+    return start("drafter", argv, log_path, proc_env(VERICACHE_STORE_URL=store))
 
 
-def fake_verifier(mode: str, log_path: str) -> Proc:
-    return Proc([sys.executable, os.path.join(SUPPORT, "fake_verifier.py"), mode], log_path, ready_s=60)
+def fake_verifier(mode: str, log_path: str) -> procs.Proc:
+    program = [sys.executable, os.path.join(SUPPORT, "fake_verifier.py")]
+    return start("fake verifier", [mode], log_path, ready_s=60, program=program)
 
 
 def usage(url: str):

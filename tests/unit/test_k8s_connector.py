@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from storage_backends.base import open_backend
+from storage_backends import open_backend
 from vericache_connector.integration.vllm.connector.config import load_kv_transfer_config
 
 from k8s_objects import (

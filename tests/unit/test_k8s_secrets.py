@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from storage_backends.base import open_backend
+from storage_backends import open_backend
 
 from k8s_objects import SECRETS, all_objects, docs, find, helm_values, kv_transfer_config, secret_volume_of
 from paths import K8S
@@ -103,7 +103,8 @@ def test_redis_start_script_serves_with_the_files_password(tmp_path, password):
     import time
     from urllib.parse import quote
 
-    from stores import free_port, need, run
+    from net import free_port
+    from stores import need, run
 
     need(shutil.which("redis-server") and shutil.which("redis-cli"), "redis-server/redis-cli are not installed")
     c = redis_container(redis_deployments()[0])

@@ -10,6 +10,7 @@ import sys
 import pytest
 import tomllib
 
+from import_graph import imported, package_modules
 from paths import ROOT
 
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "cli.py", "vllm_connector.py", "vllm_proposer.py", "vllm_router.py"}
@@ -112,42 +113,10 @@ def _level(module: str) -> int | None:
     return None if best is None else LEVELS[best]
 
 
-def _imports(path, module: str) -> set[str]:
-    """Every module a file imports (top level and inside functions), relative imports resolved."""
-    import ast
-
-    tree = ast.parse(path.read_text())
-    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module
-            out.add(target)
-            out |= {f"{target}.{a.name}" for a in node.names}  # `from . import rpc`
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
-            arg = node.args[0]
-            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and not arg.value.startswith("."):
-                out.add(arg.value)
-    return out
-
-
 def _modules():
-    for top, name in (("vericache_connector", "vericache_connector"), ("storage_backends", "storage_backends")):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            parts = path.relative_to(ROOT / top).with_suffix("").parts
-            parts = parts[:-1] if parts[-1] == "__init__" else parts
-            yield path, ".".join((name,) + parts)
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
-        parts = path.relative_to(ROOT / "kernels").with_suffix("").parts
-        parts = parts[:-1] if parts[-1] == "__init__" else parts
-        yield path, ".".join(("vericache_kernels",) + parts)
+    for folder, name in (("vericache_connector",) * 2, ("storage_backends",) * 2, ("kernels", "vericache_kernels")):
+        for module, path in package_modules(ROOT / folder, name).items():
+            yield path, module
 
 
 def test_no_level_imports_a_level_above_it():
@@ -158,7 +127,7 @@ def test_no_level_imports_a_level_above_it():
             body = [line for line in path.read_text().splitlines() if line.startswith("sys.modules[")]
             assert len(body) == 1 and "vericache_connector.integration.lmcache." in body[0], path
             continue
-        for target in _imports(path, module):
+        for target in imported(path, module):
             theirs = _level(target)
             if mine is not None and theirs is not None and theirs > mine:
                 upward.append(f"{module} -> {target}")
@@ -172,7 +141,7 @@ def test_rooms_on_one_level_stay_apart():
             for mine, other in ((a, b), (b, a)):
                 if module == mine or module.startswith(mine + "."):
                     crossing += [
-                        f"{module} -> {t}" for t in _imports(path, module) if t == other or t.startswith(other + ".")
+                        f"{module} -> {t}" for t in imported(path, module) if t == other or t.startswith(other + ".")
                     ]
     assert not crossing, "\n".join(sorted(crossing))
 
@@ -180,7 +149,7 @@ def test_rooms_on_one_level_stay_apart():
 def test_the_model_level_imports_neither_engine_nor_draft():
     for path, module in _modules():
         if module.startswith("vericache_connector.model"):
-            bad = {t for t in _imports(path, module) if _level(t) is not None and _level(t) > 1}
+            bad = {t for t in imported(path, module) if _level(t) is not None and _level(t) > 1}
             assert not bad, (module, bad)
 
 

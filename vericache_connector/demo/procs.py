@@ -79,12 +79,20 @@ def node_env(store_url: str, extra: dict[str, str] | None = None) -> dict[str, s
 
 
 class Proc:
-    """`python -m vericache_connector <argv>` in its own session, logging to a file. start() returns at once;
-    wait_ready() until it serves (then .url is set)."""
+    """`python -m vericache_connector <argv>` (or `<program> <argv>`) in its own session, logging to a file.
+    It starts at once; wait_ready() until it serves (then .url is set)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: str, env: dict[str, str], cores: list[int] | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: str,
+        env: dict[str, str],
+        cores: list[int] | None = None,
+        program: list[str] | None = None,
+    ):
         self.name, self.log_path, self.cores = name, log_path, cores
-        self.argv = [sys.executable, "-m", "vericache_connector", *argv]
+        self.argv = [*(program or [sys.executable, "-m", "vericache_connector"]), *argv]
         self.url: str | None = None
         self._log = open(log_path, "w")
         with affinity(cores):
@@ -107,6 +115,11 @@ class Proc:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} before serving: {tail}")
         return self.url is not None
 
+    @property
+    def port(self) -> int:
+        """The port of .url (once it serves)."""
+        return int(self.url.rsplit(":", 1)[1])
+
     def wait_ready(self, timeout_s: float = 600) -> str:
         deadline = time.monotonic() + timeout_s
         while not self.poll_ready():
@@ -117,8 +130,15 @@ class Proc:
 
     def stop(self) -> None:
         """SIGTERM to its process group, SIGKILL after 20 s."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to its process group at once (a crash)."""
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:

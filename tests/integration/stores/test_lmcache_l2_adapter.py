@@ -29,14 +29,14 @@ from lmcache_l2 import (
     random_layers,
     retrieve_prompt_kv,
     store_prompt_kv,
-    wait_until,
 )
 
 from storage_backends import DualCopyStore, open_backend
 from vericache_connector.compressors import LayeredKV, get_compressor
 from vericache_connector.integration.lmcache.chain_tap import TAP
 
-from stores import free_port, has_module, need, random_tokens, run
+from net import free_port, wait_until
+from stores import has_module, need, random_tokens, run
 
 MODEL, MODEL_ID = "org/smol", "smol.0123"
 SPEC = get_compressor("kivi4").spec
@@ -105,7 +105,7 @@ def test_round_trip_and_vericache_reads_it_compressed_first(kind, request, adapt
     assert ask(url, lambda s: s.lookup(tokens[:768])) == 768
     full = ask(url, lambda s: s.get_full(tokens[:768]))
     assert all(torch.equal(k, lk[:, :768]) and torch.equal(v, lv[:, :768]) for (k, v), (lk, lv) in zip(full, layers))
-    assert wait_until(lambda: ask(url, lambda s: s.has_compressed(tokens[:768], SPEC)))
+    assert wait_until(lambda: ask(url, lambda s: s.has_compressed(tokens[:768], SPEC)), 30, 0.1)
     comp = LayeredKV.from_payload(*ask(url, lambda s: s.get_compressed(tokens[:768], SPEC)))
     get_compressor(SPEC).validate(comp, 768, 2, 3, 64)
     assert d.store(keys, objs).bytes_transferred() == 0  # stored already: skipped
@@ -249,7 +249,7 @@ def test_without_the_chain_tap_vericache_readers_see_nothing_wrong(memory_url, a
     assert ask(memory_url, lambda s: s.lookup(tokens[:768])) == 0  # no full copy with a range it could not know
     assert d.store(object_keys(tokens, MODEL), objs).is_successful()  # the tap learned the chain: full copies
     assert ask(memory_url, lambda s: s.lookup(tokens[:768])) == 768
-    assert wait_until(lambda: ask(memory_url, lambda s: s.has_compressed(tokens[:768], SPEC)))
+    assert wait_until(lambda: ask(memory_url, lambda s: s.has_compressed(tokens[:768], SPEC)), 30, 0.1)
 
 
 # ---------------------------------------------------------------- lmcache server on the CPU

@@ -23,7 +23,8 @@ from vericache_connector.engine import VeriCacheEngine
 from vericache_connector.engine.speculative import DecodeConfig
 from vericache_connector.remote.prefix_cache import RemoteCacheConfig, RemotePrefixCache
 
-from stores import SilentServer, TcpProxy, closed_port, drop_memory_store, run
+from net import TcpProxy
+from stores import SilentServer, closed_port, drop_memory_store, run
 
 pytestmark = pytest.mark.slow
 

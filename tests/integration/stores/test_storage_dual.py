@@ -16,7 +16,8 @@ from storage_backends import (
 )
 from storage_backends.keys import FULL
 
-from stores import TcpProxy, closed_port, random_kv, random_tokens, run
+from net import TcpProxy
+from stores import closed_port, random_kv, random_tokens, run
 
 MODEL = "SmolLM2-135M"
 

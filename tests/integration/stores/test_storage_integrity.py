@@ -16,7 +16,8 @@ from storage_backends import CorruptObject, DualCopyStore, MissingObject, open_b
 from storage_backends.keys import FULL
 from storage_backends.manifest import Manifest
 
-from stores import TcpProxy, random_kv, random_tokens, run
+from net import TcpProxy
+from stores import random_kv, random_tokens, run
 
 MODEL = "SmolLM2-135M.0123456789abcdef"
 KEY = b"test-mac-key-0123456789abcdef"

@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 
+from net import wait_until
 from stores import closed_port, has_module, need, run
 
 PLUGIN = "vericache"
@@ -75,15 +76,6 @@ def put_chunks(manager, meta, n=3):
     return keys, ref
 
 
-def wait_for(pred, seconds=10):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_storage_manager_round_trip_through_plugin(kind, request):
     from storage_backends import open_backend
@@ -96,7 +88,7 @@ def test_storage_manager_round_trip_through_plugin(kind, request):
         connector = getattr(remote.connection, "_connector", remote.connection)
         assert isinstance(connector, VeriCacheRemoteConnector) and connector.url == url
         keys, ref = put_chunks(manager, meta)
-        assert wait_for(lambda: all(remote.contains(k) for k in keys))
+        assert wait_until(lambda: all(remote.contains(k) for k in keys), 10)
         from lmcache.utils import CacheEngineKey
 
         assert not remote.contains(CacheEngineKey("smol", 1, 0, 999, torch.float16))
@@ -119,7 +111,7 @@ def test_corrupt_object_is_reported_as_a_miss(memory_url):
     try:
         remote = manager.storage_backends[f"RemoteBackend-{PLUGIN}"]
         keys, _ = put_chunks(manager, meta, n=1)
-        assert wait_for(lambda: remote.contains(keys[0]))
+        assert wait_until(lambda: remote.contains(keys[0]), 10)
         backend = open_backend(memory_url)
         data = bytearray(run(backend.get(keys[0].to_string())))
         data[-5] ^= 0xFF
@@ -230,7 +222,7 @@ def test_crafted_objects_with_a_valid_crc_are_misses(memory_url, caplog):
         connector = connector_of(manager)
         keys, ref = put_chunks(manager, meta, n=1)
         key_str = keys[0].to_string()  # no model_dir: LMCache's own key
-        assert wait_for(lambda: stored(memory_url, key_str) is not None)
+        assert wait_until(lambda: stored(memory_url, key_str) is not None, 10)
         good = stored(memory_url, key_str)
         got = get_now(connector, keys[0])
         assert got is not None and torch.equal(got.tensor, ref[0])
@@ -265,7 +257,7 @@ def test_lmcache_objects_fuzz(memory_url):
         connector = connector_of(manager)
         keys, ref = put_chunks(manager, meta, n=1)
         key_str = keys[0].to_string()  # no model_dir: LMCache's own key
-        assert wait_for(lambda: stored(memory_url, key_str) is not None)
+        assert wait_until(lambda: stored(memory_url, key_str) is not None, 10)
         good = stored(memory_url, key_str)
         served = misses = 0
         for i in range(300):
@@ -324,7 +316,7 @@ def test_model_identity_names_the_keys_and_a_mismatch_is_a_miss(memory_url, tmp_
         assert a.model_id == id_a and b.model_id == id_b
         keys, ref = put_chunks(manager_a, meta, n=1)
         key_a = keys[0].to_string().replace("smol@", f"{id_a}@", 1)
-        assert wait_for(lambda: stored(memory_url, key_a) is not None)
+        assert wait_until(lambda: stored(memory_url, key_a) is not None, 10)
         assert stored(memory_url, keys[0].to_string()) is None  # LMCache's own name is not used
         got = get_now(a, keys[0])
         assert got is not None and torch.equal(got.tensor, ref[0])
@@ -358,14 +350,14 @@ def test_mac_key_both_ways(memory_url, tmp_path):
     wrong, _ = make_manager(memory_url, mac_key_file=str(tmp_path / "other"))
     try:
         keys, ref = put_chunks(keyed, meta, n=1)
-        assert wait_for(lambda: stored(memory_url, keys[0].to_string()) is not None)
+        assert wait_until(lambda: stored(memory_url, keys[0].to_string()) is not None, 10)
         got = get_now(connector_of(keyed), keys[0])
         assert got is not None and torch.equal(got.tensor, ref[0])
         got.ref_count_down()
         assert get_now(connector_of(plain), keys[0]) is None  # keyed object, reader without the key
         assert get_now(connector_of(wrong), keys[0]) is None
         plain_keys, _ = put_chunks(plain, meta, n=2)  # an object written without the key
-        assert wait_for(lambda: stored(memory_url, plain_keys[1].to_string()) is not None)
+        assert wait_until(lambda: stored(memory_url, plain_keys[1].to_string()) is not None, 10)
         put_raw(memory_url, keys[0].to_string(), stored(memory_url, plain_keys[1].to_string()))
         assert get_now(connector_of(keyed), keys[0]) is None  # planted: a miss for the keyed reader
         assert "plugin-mac" not in repr(connector_of(keyed))

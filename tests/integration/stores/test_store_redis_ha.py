@@ -17,7 +17,8 @@ import pytest
 
 from storage_backends import ThrottledBackend
 
-from store_workload import RedisNode, Workload, wait_for
+from net import wait_for
+from store_workload import RedisNode, Workload
 from stores import need
 
 
@@ -41,7 +42,13 @@ def cluster(tmp_path_factory):
             timeout=60,
         )
         for n in nodes:
-            wait_for("cluster_state:ok", lambda n=n: n.client().cluster("info")["cluster_state"] == "ok")
+            wait_for(
+                lambda n=n: n.client().cluster("info")["cluster_state"] == "ok",
+                20.0,
+                0.1,
+                what="cluster_state:ok",
+                ignore=Exception,
+            )
         yield nodes
     finally:
         for n in nodes:
@@ -74,7 +81,13 @@ def sentinel(tmp_path):
     )
     watcher = RedisNode(tmp_path, sentinel=conf)
     try:
-        wait_for("replica in sync", lambda: replica.client().info("replication")["master_link_status"] == "up")
+        wait_for(
+            lambda: replica.client().info("replication")["master_link_status"] == "up",
+            20.0,
+            0.1,
+            what="replica in sync",
+            ignore=Exception,
+        )
         yield master, replica, watcher
     finally:
         for n in (watcher, replica, master):

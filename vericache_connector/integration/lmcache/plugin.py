@@ -53,8 +53,9 @@ from typing import List, Optional
 
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from storage_backends.base import CorruptObject, StoreError, logger, open_backend
+from storage_backends.base import CorruptObject, StoreError, logger
 from storage_backends.credentials import Mac, read_secret_file, redact_url, secret_from_env
+from storage_backends.factory import open_backend
 from storage_backends.lmcache_keys import resolve_model_id  # shared with the MP-mode L2 adapter
 
 _MAGIC = b"VCL2"
