@@ -114,7 +114,8 @@ class Completion:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (this module's own copy: benchmarks import nothing from tests/support)."""
+    """A port of 127.0.0.1 nothing listens on now (another process may take it before the caller does); the tests'
+    too (tests/support/net.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -13,12 +13,7 @@ import threading
 import time
 from typing import Callable
 
-
-def free_port() -> int:
-    """A port of 127.0.0.1 nothing listens on now (another process may take it before the caller does)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.kit.vllm_server import free_port  # noqa: F401 - one free_port for the tests and the benchmarks
 
 
 def wait_until(check, timeout_s: float = 30.0, every_s: float = 0.05, ignore=()):

@@ -62,9 +62,10 @@ from .chains import MAX_BRANCHES, Chain
 from .config import ProposerConfig
 from .draft_caches import CACHE_ROOM, MAX_DRAFT_BYTES, MAX_GROUPS, DraftCaches
 from .draft_model import DraftModel, UnsupportedModel
+from .handoff_pacing import ProposerPacing
 from .measure import Acceptance, StepMeter, new_stats
 from .ngram import longest_ngram
-from .pacing import BatchSwitch, DraftPacer, ProposerPacing, TargetGate
+from .pacing import BatchSwitch, DraftPacer, TargetGate
 from .predraft import Predrafter
 from .rows import RowTracker
 from .runner_state import RunnerState, UnsupportedRunner
