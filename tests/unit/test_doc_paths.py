@@ -1,5 +1,5 @@
-"""Every repository path README.md and docs/*.md name in backticks exists (their links are checked by
-tests/integration/test_doc_commands.py::test_docs_are_linked_and_every_link_resolves).
+"""Every repository path README.md, docs/*.md and results/README.md name in backticks exists (their links are
+checked by tests/integration/test_doc_commands.py::test_docs_are_linked_and_every_link_resolves).
 
 A path is a word of a code span that contains a "/" and ends in .py, .md, .yaml, .yml, .sh or .json (a file), or
 ends in "/" and starts with a folder of the repository or of the package (a folder). The docs write package paths
@@ -70,7 +70,7 @@ def missing_paths(path: Path) -> list[str]:
 
 
 def test_every_backticked_repository_path_exists():
-    missing = [m for path in doc_files() for m in missing_paths(path)]
+    missing = [m for path in [*doc_files(), ROOT / "results" / "README.md"] for m in missing_paths(path)]
     assert not missing, "paths the docs name that do not exist (moved? fix the doc):\n" + "\n".join(missing)
 
 
