@@ -1,7 +1,8 @@
 """Metrics in k8s/ (issue 40), checked offline: every pod that serves /metrics carries Prometheus' scrape annotations
 on a port it listens on (plain manifests and Helm values; the verifier's is its --metrics-port, open to the scraper's
 pods only), and the Grafana dashboard (k8s/grafana/vericache.json) charts what the issue names, with series that
-exist: the connector's (integration/vllm/stats.py), the verifier's and the drafter's, as their code makes them."""
+exist: the connector's (integration/vllm/connector/stats.py), the verifier's and the drafter's, as their code makes
+them."""
 
 from __future__ import annotations
 

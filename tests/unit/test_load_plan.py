@@ -1,5 +1,5 @@
-"""Load or recompute (integration/vllm/load_plan.py), decided from the link's and the prefill's measured rates and
-what is queued on each; the worker's meter of what its loads move. Pure arithmetic: no vLLM, no model."""
+"""Load or recompute (integration/vllm/connector/load_plan.py), decided from the link's and the prefill's measured rates
+and what is queued on each; the worker's meter of what its loads move. Pure arithmetic: no vLLM, no model."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The vLLM connector's metrics (integration/vllm/stats.py) along vLLM's own connector-stats path, without a server:
-counts of two workers and the scheduler half summed as vLLM sums them, carried in EngineCoreOutputs (vLLM's msgpack),
-turned into vericache_* series by vLLM's KVConnectorProm (the connector alone and inside MultiConnector, whose stats
-logger rebuilds ours by class name), misses classified by what the store holds, the proposer's counts."""
+"""The vLLM connector's metrics (integration/vllm/connector/stats.py) along vLLM's own connector-stats path, without a
+server: counts of two workers and the scheduler half summed as vLLM sums them, carried in EngineCoreOutputs (vLLM's
+msgpack), turned into vericache_* series by vLLM's KVConnectorProm (the connector alone and inside MultiConnector, whose
+stats logger rebuilds ours by class name), misses classified by what the store holds, the proposer's counts."""
 
 from __future__ import annotations
 

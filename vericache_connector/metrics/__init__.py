@@ -1,7 +1,7 @@
 """Prometheus metrics of VeriCache's own services (`vericache verifier`, `drafter`, `router`), with prometheus_client.
 
 The vLLM connector does not use this: its series (`vericache_*` on a vLLM server's /metrics) go through vLLM's own
-connector-stats path (integration/vllm/stats.py). A service builds its metrics on a `Metrics` and serves them:
+connector-stats path (integration/vllm/connector/stats.py). A service builds its metrics on a `Metrics` and serves them:
 
     from vericache_connector.metrics import Metrics, add_metrics_route, metrics_handler
 
