@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from vericache_connector.data import load_prompt
+from vericache_connector.data import load_long_documents, load_prompt
 
 from net import TcpProxy
 from stores import corrupt_full_chunk, need
@@ -31,6 +31,7 @@ SAMPLE = {"temperature": 0.8, "seed": 7}
 SLOW_CI_S = 60.0
 # three real prompts cut to 0.9k-1.3k tokens (4, 5 and 3 stored chunks of 256), and one never stored
 CUTS = [("graphlib_py", 1100), ("json_decoder_py", 1300), ("contextlib_py", 900)]
+MAX_LEN = 4096
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +41,30 @@ def prompts(engine):
     return ids, fresh
 
 
-def served_load(prompts) -> list[list[int]]:
-    """Eight requests as a served load: two stored documents (4 and 5 chunks) x four questions (real tokens)."""
-    ids, fresh = prompts
-    return [d + fresh[20 * q : 20 * q + 20] for q in range(4) for d in (ids[0][:1024], ids[1][:1280])]
+LONG_DOC, QUESTIONS = 3072, 8  # the served load's documents: 24 blocks of vLLM's 128 (a view keeps 7 of them)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, prompts):
+def long_docs(engine):
+    """Two long documents (data/prompts/long) cut to LONG_DOC tokens (12 stored chunks each)."""
+    return [engine.encode(text)[:LONG_DOC] for text in list(load_long_documents().values())[:2]]
+
+
+def served_load(prompts, long_docs) -> list[list[int]]:
+    """Sixteen requests as a served load: two long stored documents x eight questions (real tokens)."""
+    _, fresh = prompts
+    return [d + fresh[20 * q : 20 * q + 20] for q in range(QUESTIONS) for d in long_docs]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts, long_docs):
     """The same server without the connector: greedy and seeded-sampling outputs (and the served load's greedy,
-    reference[2])."""
+    reference[2], its documents computed once by vLLM's prefix cache)."""
     ids, fresh = prompts
-    with VLLMServer(ServerConfig(model_dir)) as srv:
+    with VLLMServer(ServerConfig(model_dir, max_model_len=MAX_LEN, prefix_caching=True)) as srv:
         greedy = [srv.complete(p, NEW).token_ids for p in ids + [fresh]]
         sampled = srv.complete(ids[0], NEW, **SAMPLE).token_ids
-        load = [srv.complete(p, NEW).token_ids for p in served_load(prompts)]
+        load = [srv.complete(p, NEW).token_ids for p in served_load(prompts, long_docs)]
     assert all(len(g) == NEW for g in greedy)
     return greedy, sampled, load
 
@@ -191,31 +201,42 @@ def test_compressed_first_drafting_is_lossless(model_dir, prompts, reference, en
     torch.testing.assert_close(v, pre.prefix.values[3], atol=1e-3, rtol=1e-3)
 
 
-def test_every_configuration_is_exact_under_a_served_load(model_dir, prompts, reference, tmp_path):
-    """Issue 38: as vLLM is served, prefix caching on and eight requests at once (two stored documents x four
-    questions): the connector alone, with our proposer (its bfloat16 draft weights) and with vLLM's n-gram
-    proposer answer every request as plain vLLM does. A writer server stores the documents; each measured server starts with vLLM's cache cold
-    behind an emulated 16 MB/s link (loads of 1-2 s: the planner's probe, twins waiting for one load,
-    pre-drafts on the compressed copy)."""
-    ids, _ = prompts
-    load, want = served_load(prompts), reference[2]
+def test_every_configuration_is_exact_under_a_served_load(model_dir, prompts, long_docs, reference, tmp_path):
+    """Issues 38 and 52: as vLLM is served, prefix caching on and sixteen requests at once on two long documents
+    (3,072 tokens, eight questions each): the connector alone, with our proposer (drafting on views of each
+    request's own KV; on a bfloat16 copy of the linear layers; n-gram matches only) and with vLLM's n-gram proposer
+    answer every request as plain vLLM does. A writer server stores the documents; each measured server starts
+    with vLLM's cache cold behind an emulated 64 MB/s link (loads of ~2 s: the planner's probe, twins waiting for
+    one load, pre-drafts on the compressed copy)."""
+    load, want = served_load(prompts, long_docs), reference[2]
     store = f"local://{tmp_path}/kv"
-    common = dict(store=store, compressor="split16", multi=True, timeout_s=SLOW_CI_S, prefix_caching=True)
+    common = dict(
+        store=store, compressor="split16", multi=True, timeout_s=SLOW_CI_S, prefix_caching=True, max_model_len=MAX_LEN
+    )
     with VLLMServer(ServerConfig(model_dir, **common)) as srv:  # writes both documents, then serves from its cache
-        for p, ref in zip(ids[:2], reference[0]):
-            assert srv.complete(p, NEW).token_ids == ref
+        for p in load[:2]:  # each document's first question: its 3,072 tokens stored whole
+            srv.complete(p, 1)
         wait_lines(srv, r"saved \S+: \d+ tokens", 2)
         assert at_once(srv, load) == want, "connector"
-    # the proposer here drafts on a bfloat16 copy of the linear layers (opt-in; the default, vLLM's own
-    # modules, drafts in test_compressed_first_drafting_is_lossless)
+    proposer = {"spec_k": 8}
     bf16 = {"spec_k": 8, "env": {"VERICACHE_DRAFT_WEIGHTS": "bfloat16"}}
-    for name, extra in (("connector + proposer, bfloat16 drafts", bf16), ("connector + ngram", {"ngram_k": 8})):
-        with VLLMServer(ServerConfig(model_dir, **common, **extra, bandwidth_bytes_per_s=16e6)) as srv:
+    ngram_only = {"spec_k": 8, "env": {"VERICACHE_DRAFTS": "ngram"}}
+    for name, extra in (
+        ("connector + proposer", proposer),
+        ("connector + proposer, bfloat16 drafts", bf16),
+        ("connector + proposer, n-gram only", ngram_only),
+        ("connector + ngram", {"ngram_k": 8}),
+    ):
+        with VLLMServer(ServerConfig(model_dir, **common, **extra, bandwidth_bytes_per_s=64e6)) as srv:
             assert at_once(srv, load) == want, name
             assert lines(srv, r"hit \S+: \d+ tokens loaded") or lines(srv, r"load-or-recompute: \S+: recompute")
             assert not lines(srv, r"load of \S+ failed|split load of"), srv.log_tail()
-            if "spec_k" in extra:
+            if extra is proposer:
+                assert lines(srv, r"self-drafts on views of each request's KV"), srv.log_tail()
+            if extra is bf16:
                 assert lines(srv, r"drafts with a bfloat16 copy of the served model's linear layers \(\d+ MiB\)")
+            if extra is ngram_only:  # the compressed copy is never used: no pre-draft, no compressed copy fetched
+                assert lines(srv, r"n-gram matches only") and not lines(srv, r"VeriCache pre-draft:")
 
 
 def test_store_on_redis_then_down(model_dir, prompts, reference):
