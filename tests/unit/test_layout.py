@@ -103,6 +103,11 @@ LEVELS = {
 APART = [
     ("vericache_connector.store", "vericache_connector.model"),
     ("vericache_connector.router", "vericache_connector.remote"),
+    # inside vLLM: the connector (what vLLM loads as kv_connector) and the proposer (its speculative method) meet
+    # only at integration/vllm/handoff.py; the router's vLLM middlewares know nothing of the proposer (the
+    # connector's drafter role names the middleware it requires: connector.config -> router_plugins.GUARD)
+    ("vericache_connector.integration.vllm.connector", "vericache_connector.integration.vllm.proposer"),
+    ("vericache_connector.integration.vllm.router_plugins", "vericache_connector.integration.vllm.proposer"),
 ]
 # Legacy import paths LMCache configs still name: each is only `sys.modules[__name__] = <the new module>`.
 STORAGE_ALIASES = {"lmcache_plugin.py", "lmcache_l2_adapter.py", "lmcache_l2_config.py", "lmcache_chain_tap.py"}

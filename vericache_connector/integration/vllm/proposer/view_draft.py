@@ -27,7 +27,6 @@ import torch
 
 import vericache_kernels.paged as PA
 
-from ..connector.paged_layout import kv_views
 from .runner_state import RunnerState
 from .view import ViewPolicy, block_scores, key_bounds, view_tables
 
@@ -73,7 +72,7 @@ class ViewDrafter:
             x, plan = lay.embed(ids), None
             for i, layer_kv in enumerate(caches):
                 q, k, v = lay.qkv(i, x, pos)
-                key_cache, value_cache = _kernel_views(layer_kv, hk, d)
+                key_cache, value_cache = kernel_views(layer_kv, hk, d)
                 PA.paged_write(key_cache, value_cache, k.view(n, hk, d), v.view(n, hk, d), slots, "float32")
                 if bounds is not None and step == 0:  # blocks chosen with the first query, for all of this draft
                     scores[i] = block_scores(q.view(n, hq, d), bounds[i])
@@ -123,16 +122,22 @@ class KeyBounds:
             self.table = torch.zeros(len(caches), n, self.hk, 2, self.d)
             self.prints, self.known = torch.zeros(n, self.d), torch.zeros(n, dtype=torch.bool)
         ids = ids.long()
-        prints = kv_views(caches[0], self.hk, self.d)[0][ids, 0, 0]  # [n, D]
+        prints = self._keys(caches[0])[ids, 0, 0]  # [n, D]
         stale = ids[~(self.known[ids] & (self.prints[ids] == prints).all(dim=1))]
         if len(stale):
             for layer, kv in enumerate(caches):
-                self.table[layer, stale] = key_bounds(kv_views(kv, self.hk, self.d)[0][stale])
-            self.prints[stale] = kv_views(caches[0], self.hk, self.d)[0][stale, 0, 0]
+                self.table[layer, stale] = key_bounds(self._keys(kv)[stale])
+            self.prints[stale] = self._keys(caches[0])[stale, 0, 0]
             self.known[stale] = True
 
+    def _keys(self, layer: Tensor) -> Tensor:
+        """The layer's keys as [blocks, H_kv, block_size, D] (a view: kernel_views' keys, transposed back)."""
+        return kernel_views(layer, self.hk, self.d)[0].transpose(2, 3)
 
-def _kernel_views(layer: Tensor, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """vLLM's CPU layer buffer as kernels.paged's (key_cache [blocks, H, D, bs], value_cache [blocks, H, bs, D])."""
+
+def kernel_views(layer: Tensor, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """vLLM's CPU layer buffer [blocks, H_kv, bs, 2 D] as kernels.paged's (key_cache [blocks, H, D, bs], value_cache
+    [blocks, H, bs, D]): per block and head vLLM's CPU attention ("vec" ISA) keeps the keys transposed, then the
+    values (connector/paged_layout.py reads the same layout; the proposer reaches vLLM's KV only through here)."""
     n, bs = layer.shape[0], layer.shape[2]
     return layer.view(n, num_kv_heads, 2, head_dim, bs)[:, :, 0], layer.view(n, num_kv_heads, 2, bs, head_dim)[:, :, 1]
