@@ -37,8 +37,9 @@ from ..metrics import COUNT_BUCKETS, Metrics, serve_metrics
 from ..store.client import StoreClient
 from ..store.full_copy import stream_full_copy
 from . import rpc
-from .auth import Gate, LogLimiter, esc
+from .auth import Gate
 from .cli_args import store_config
+from .peer_log import LogLimiter, esc
 from .verifier import CallError, Resident, VerifierConfig, VerifierCore
 
 logger = logging.getLogger("vericache.verifier")
@@ -56,7 +57,7 @@ class ServerSettings:
     max_pending_bytes: int | None = None  # per peer: its calls not yet answered (None: 2 x max_call_bytes)
     handshake_s: float = 5.0  # a connection without a finished handshake by then is closed
     heartbeat_s: float = 2.0  # pings; a drafter silent for 3x this is dropped
-    log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (auth.LogLimiter)
+    log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (peer_log.LogLimiter)
     metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port (0: any free port; None: off)
 
     def __post_init__(self):
