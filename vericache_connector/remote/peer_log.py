@@ -1,5 +1,5 @@
 """What a peer can put in the verifier's log: the text it sends, escaped (`esc`), and refusals of it, at a
-bounded rate (`LogLimiter`). auth.py and verifier_server.py log through these, so a peer without a
+bounded rate (`LogLimiter`). auth.py, gate.py and verifier_server.py log through these, so a peer without a
 key can neither forge a log line nor flood the log."""
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from ..metrics import COUNT_BUCKETS, Metrics, serve_metrics
 from ..store.client import StoreClient
 from ..store.full_copy import stream_full_copy
 from . import rpc
-from .auth import Gate
 from .cli_args import store_config
+from .gate import Gate
 from .peer_log import LogLimiter, esc
 from .verifier import CallError, Resident, VerifierConfig, VerifierCore
 
@@ -51,8 +51,8 @@ class ServerSettings:
     port: int = rpc.DEFAULT_PORT  # 0: any free port (printed)
     max_call_bytes: int = rpc.MAX_CALL_BYTES
     idle_poll_s: float = 0.05
-    max_connections: int = 256  # admitted drafter connections; one beyond is closed at once (auth.Gate)
-    max_pending: int = 64  # connections not admitted yet (no key shown); one more evicts the oldest (auth.Gate)
+    max_connections: int = 256  # admitted drafter connections; one beyond is closed at once (gate.Gate)
+    max_pending: int = 64  # connections not admitted yet (no key shown); one more evicts the oldest (gate.Gate)
     max_pending_per_address: int = 8  # of those, from one source address
     max_pending_bytes: int | None = None  # per peer: its calls not yet answered (None: 2 x max_call_bytes)
     handshake_s: float = 5.0  # a connection without a finished handshake by then is closed
