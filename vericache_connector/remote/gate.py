@@ -1,7 +1,8 @@
-"""The verifier's gate: who gets a connection to its socket, and what a peer without a key can cost it.
+"""The verifier's socket and its gate: who gets a connection, and what a peer without a key can cost it.
 
-The Gate is the ZAP handler of the verifier's socket (it admits the drafter keys auth.server_keys read) and
-keeps its connection budgets, on a thread of its own. verifier_server.py creates one per socket.
+open_socket makes the verifier's ROUTER socket (its limits, CURVE) and its Gate, and binds it; close_socket
+takes them down. The Gate is the socket's ZAP handler (it admits the drafter keys auth.server_keys read) and
+keeps its connection budgets, on a thread of its own.
 
 What a peer without a key can make the verifier hold: libzmq reads a handshake frame whole before the
 mechanism looks at it, up to the socket's ZMQ_MAXMSGSIZE, so calls go in frames of at most
@@ -22,13 +23,74 @@ log line.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
 
-from .auth import CLIENT_KEYS_ENV, ServerKeys
+from . import rpc
+from .auth import CLIENT_KEYS_ENV, INSECURE_ENV, ServerKeys, secure_server
 from .peer_log import LogLimiter, esc
+
+logger = logging.getLogger("vericache.verifier")
+
+
+def open_socket(ctx, st, keys: ServerKeys | None, limiter: LogLimiter):
+    """The verifier's ROUTER socket on ctx, with CURVE (keys; None: calls in clear) and its Gate started, bound
+    to st.host:st.port (0: any free port); returns (socket, gate, port). st: verifier_server.ServerSettings."""
+    import zmq
+
+    sock = ctx.socket(zmq.ROUTER)
+    for opt, value in (
+        (zmq.LINGER, 0),
+        # a frame over this (a handshake's too) and ZMQ drops the peer: what a peer without a key can
+        # make us hold; calls travel in frames of FRAME_BYTES (rpc.call_frames)
+        (zmq.MAXMSGSIZE, rpc.FRAME_BYTES + 1024),
+        (zmq.HANDSHAKE_IVL, int(st.handshake_s * 1000)),
+        (zmq.HEARTBEAT_IVL, int(st.heartbeat_s * 1000)),
+        (zmq.HEARTBEAT_TIMEOUT, int(3 * st.heartbeat_s * 1000)),
+    ):
+        sock.setsockopt(opt, value)
+    secure_server(sock, keys)
+    gate = Gate(  # the ZAP handler before the socket binds
+        ctx,
+        sock,
+        keys,
+        st.max_connections,
+        limiter,
+        max_pending=st.max_pending,
+        max_pending_per_address=st.max_pending_per_address,
+        handshake_s=st.handshake_s,
+    )
+    if st.port == 0:
+        port = sock.bind_to_random_port(f"tcp://{st.host}")
+    else:
+        sock.bind(f"tcp://{st.host}:{st.port}")
+        port = st.port
+    gate.port = port
+    gate.start()
+    if keys is None:
+        logger.warning(
+            "no CURVE keys (%s=1): calls travel in clear, and anyone who reaches the port is read before "
+            "the token is checked",
+            INSECURE_ENV,
+        )
+    return sock, gate, port
+
+
+def close_socket(ctx, sock, gate: Gate) -> None:
+    """The gate stopped, then the socket closed; the context ends once the gate's thread has."""
+    import zmq
+
+    gate.close()
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    sock.close(0)
+    if not gate.is_alive():
+        ctx.term()
 
 
 class Gate(threading.Thread):

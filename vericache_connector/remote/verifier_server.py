@@ -13,9 +13,10 @@ A request's calls are answered in order; a resident not used for ttl_s is freed 
 Release frees it at once. The store URL may carry a password: it comes from --store or $VERICACHE_STORE_URL
 (a Secret) and is only ever shown redacted.
 
-Only drafters whose CURVE keys it was given get a call through (auth.py: the handshake, before any call is
-read), frames are small, open connections are capped, and each peer's calls waiting for an answer are
-capped in bytes (a Failure "busy" beyond). Refusals are logged at a bounded rate, request ids escaped.
+Only drafters whose CURVE keys it was given get a call through (auth.py: the keys; gate.py: the socket and
+the handshake, before any call is read), frames are small, open connections are capped, and each peer's
+calls waiting for an answer are capped in bytes (a Failure "busy" beyond). Refusals are logged at a bounded
+rate, request ids escaped (peer_log.py).
 
 --metrics-port serves Prometheus metrics over HTTP (verifier_metrics.py: requests, verify calls, accepted drafts
 per call, queue length, fallbacks, auth failures; docs/operations.md#metrics); off by default, on in k8s/.
@@ -38,7 +39,7 @@ from ..store.client import StoreClient
 from ..store.full_copy import stream_full_copy
 from . import rpc
 from .cli_args import store_config
-from .gate import Gate
+from .gate import close_socket, open_socket
 from .peer_log import LogLimiter, esc
 from .verifier import CallError, Resident, VerifierConfig, VerifierCore
 from .verifier_metrics import VerifierMetrics
@@ -83,46 +84,12 @@ class VerifierServer:
         from . import auth
 
         self.core, self.store, self.settings = core, store, settings or ServerSettings()
+        st = self.settings
         keys = auth.server_keys() if keys == rpc.FROM_ENV else keys
         self._token, self._zmq = token, zmq
         self._ctx = zmq.Context()  # its own: the ZAP handler's endpoint is one per context
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        st = self.settings
-        for opt, value in (
-            (zmq.LINGER, 0),
-            # a frame over this (a handshake's too) and ZMQ drops the peer: what a peer without a key can
-            # make us hold; calls travel in frames of FRAME_BYTES (rpc.call_frames)
-            (zmq.MAXMSGSIZE, rpc.FRAME_BYTES + 1024),
-            (zmq.HANDSHAKE_IVL, int(st.handshake_s * 1000)),
-            (zmq.HEARTBEAT_IVL, int(st.heartbeat_s * 1000)),
-            (zmq.HEARTBEAT_TIMEOUT, int(3 * st.heartbeat_s * 1000)),
-        ):
-            self._sock.setsockopt(opt, value)
-        auth.secure_server(self._sock, keys)
         self.limit = LogLimiter(logger, st.log_window_s)
-        self.gate = Gate(  # the ZAP handler before the socket binds
-            self._ctx,
-            self._sock,
-            keys,
-            st.max_connections,
-            self.limit,
-            max_pending=st.max_pending,
-            max_pending_per_address=st.max_pending_per_address,
-            handshake_s=st.handshake_s,
-        )
-        if st.port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{st.host}")
-        else:
-            self._sock.bind(f"tcp://{st.host}:{st.port}")
-            self.port = st.port
-        self.gate.port = self.port
-        self.gate.start()
-        if keys is None:
-            logger.warning(
-                "no CURVE keys (%s=1): calls travel in clear, and anyone who reaches the port is read before "
-                "the token is checked",
-                auth.INSECURE_ENV,
-            )
+        self._sock, self.gate, self.port = open_socket(self._ctx, st, keys, self.limit)
         self.queues: dict[str, deque] = {}  # request -> calls waiting, in order: (peer, Verify, bytes)
         self.pending: dict[bytes, int] = {}  # peer -> bytes of its calls waiting
         self.loading: dict[str, tuple[Resident, object, float]] = {}  # request -> (resident, future, t0)
@@ -150,14 +117,7 @@ class VerifierServer:
         finally:
             if self.metrics_server is not None:
                 self.metrics_server.close()
-            self.gate.close()
-            try:
-                self._sock.disable_monitor()
-            except self._zmq.ZMQError:
-                pass
-            self._sock.close(0)
-            if not self.gate.is_alive():
-                self._ctx.term()
+            close_socket(self._ctx, self._sock, self.gate)
 
     def _drain(self) -> None:
         zmq = self._zmq
