@@ -42,7 +42,7 @@ def sample_names(metrics) -> set[str]:
 def known_series() -> set[str]:
     from vericache_connector.integration.vllm.connector.stats import PREFIX, SERIES
     from vericache_connector.remote.drafter_server import DrafterMetrics
-    from vericache_connector.remote.verifier_server import VerifierMetrics
+    from vericache_connector.remote.verifier_metrics import VerifierMetrics
 
     out = set()
     for name, s in SERIES.items():

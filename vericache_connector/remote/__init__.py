@@ -7,8 +7,11 @@ What stays here, above the engine:
                               never fetched here (and the local finish when the verifier fails)
   drafter.py, client.py       the drafter's side: VerifiedDecode's loop, the VerifierClient protocol
   rpc.py, auth.py             the drafter <-> verifier protocol (msgspec over ZeroMQ, CURVE keys, tokens)
-  verifier.py, *_server.py    `vericache verifier` and `vericache drafter`; openai_verifier.py: a vLLM server
-                              as the verifier; cli_args.py, drafter_api.py: their options and request shape
+  gate.py, peer_log.py        the verifier's socket and its gate (the handshake, connection budgets), and what
+                              a peer can put in its log (escaped, at a bounded rate)
+  verifier.py, *_server.py    `vericache verifier` and `vericache drafter` (verifier_metrics.py: the
+                              verifier's /metrics); openai_verifier.py: a vLLM server as the verifier;
+                              cli_args.py, drafter_api.py: their options and request shape
 The store client moved to store/ (below the engine), the vLLM router to router/ (beside this folder).
 """
 

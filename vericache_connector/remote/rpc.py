@@ -13,7 +13,7 @@ Frames: drafter -> verifier [token, body...]; verifier -> drafter [body] (ROUTER
          VERICACHE_VERIFIER_TOKEN), checked with a constant-time compare before the body is decoded.
   body   msgpack of one Call (Verify | Release | Stats), in frames of FRAME_BYTES (the last one shorter;
          most calls are one frame); the answer is one Answer (Verdict | Failure | Usage).
-Security (auth.py): ZeroMQ CURVE encrypts every frame and the verifier admits only the drafters' keys,
+Security (auth.py, gate.py): ZeroMQ CURVE encrypts every frame and the verifier admits only the drafters' keys,
 during the handshake, before any call is read; the token goes inside. Frames are small because libzmq
 reads a handshake frame whole before checking it: ZMQ drops a peer whose frame is over FRAME_BYTES.
 Bounds: a body over max_call_bytes is refused with a Failure; drafts per call <= MAX_DRAFTS; ids are

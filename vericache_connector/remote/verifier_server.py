@@ -13,12 +13,13 @@ A request's calls are answered in order; a resident not used for ttl_s is freed 
 Release frees it at once. The store URL may carry a password: it comes from --store or $VERICACHE_STORE_URL
 (a Secret) and is only ever shown redacted.
 
-Only drafters whose CURVE keys it was given get a call through (auth.py: the handshake, before any call is
-read), frames are small, open connections are capped, and each peer's calls waiting for an answer are
-capped in bytes (a Failure "busy" beyond). Refusals are logged at a bounded rate, request ids escaped.
+Only drafters whose CURVE keys it was given get a call through (auth.py: the keys; gate.py: the socket and
+the handshake, before any call is read), frames are small, open connections are capped, and each peer's
+calls waiting for an answer are capped in bytes (a Failure "busy" beyond). Refusals are logged at a bounded
+rate, request ids escaped (peer_log.py).
 
---metrics-port serves Prometheus metrics over HTTP (VerifierMetrics: requests, verify calls, accepted drafts per
-call, queue length, fallbacks, auth failures; docs/operations.md#metrics); off by default, on in k8s/.
+--metrics-port serves Prometheus metrics over HTTP (verifier_metrics.py: requests, verify calls, accepted drafts
+per call, queue length, fallbacks, auth failures; docs/operations.md#metrics); off by default, on in k8s/.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ from dataclasses import dataclass
 
 from storage_backends import redact_url
 
-from ..metrics import COUNT_BUCKETS, Metrics, serve_metrics
+from ..metrics import serve_metrics
 from ..store.client import StoreClient
 from ..store.full_copy import stream_full_copy
 from . import rpc
-from .auth import Gate, LogLimiter, esc
 from .cli_args import store_config
+from .gate import close_socket, open_socket
+from .peer_log import LogLimiter, esc
 from .verifier import CallError, Resident, VerifierConfig, VerifierCore
+from .verifier_metrics import VerifierMetrics
 
 logger = logging.getLogger("vericache.verifier")
 
@@ -50,13 +53,13 @@ class ServerSettings:
     port: int = rpc.DEFAULT_PORT  # 0: any free port (printed)
     max_call_bytes: int = rpc.MAX_CALL_BYTES
     idle_poll_s: float = 0.05
-    max_connections: int = 256  # admitted drafter connections; one beyond is closed at once (auth.Gate)
-    max_pending: int = 64  # connections not admitted yet (no key shown); one more evicts the oldest (auth.Gate)
+    max_connections: int = 256  # admitted drafter connections; one beyond is closed at once (gate.Gate)
+    max_pending: int = 64  # connections not admitted yet (no key shown); one more evicts the oldest (gate.Gate)
     max_pending_per_address: int = 8  # of those, from one source address
     max_pending_bytes: int | None = None  # per peer: its calls not yet answered (None: 2 x max_call_bytes)
     handshake_s: float = 5.0  # a connection without a finished handshake by then is closed
     heartbeat_s: float = 2.0  # pings; a drafter silent for 3x this is dropped
-    log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (auth.LogLimiter)
+    log_window_s: float = 10.0  # refusals of one kind: 3 lines per window, the rest summed up (peer_log.LogLimiter)
     metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port (0: any free port; None: off)
 
     def __post_init__(self):
@@ -81,46 +84,12 @@ class VerifierServer:
         from . import auth
 
         self.core, self.store, self.settings = core, store, settings or ServerSettings()
+        st = self.settings
         keys = auth.server_keys() if keys == rpc.FROM_ENV else keys
         self._token, self._zmq = token, zmq
         self._ctx = zmq.Context()  # its own: the ZAP handler's endpoint is one per context
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        st = self.settings
-        for opt, value in (
-            (zmq.LINGER, 0),
-            # a frame over this (a handshake's too) and ZMQ drops the peer: what a peer without a key can
-            # make us hold; calls travel in frames of FRAME_BYTES (rpc.call_frames)
-            (zmq.MAXMSGSIZE, rpc.FRAME_BYTES + 1024),
-            (zmq.HANDSHAKE_IVL, int(st.handshake_s * 1000)),
-            (zmq.HEARTBEAT_IVL, int(st.heartbeat_s * 1000)),
-            (zmq.HEARTBEAT_TIMEOUT, int(3 * st.heartbeat_s * 1000)),
-        ):
-            self._sock.setsockopt(opt, value)
-        auth.secure_server(self._sock, keys)
         self.limit = LogLimiter(logger, st.log_window_s)
-        self.gate = Gate(  # the ZAP handler before the socket binds
-            self._ctx,
-            self._sock,
-            keys,
-            st.max_connections,
-            self.limit,
-            max_pending=st.max_pending,
-            max_pending_per_address=st.max_pending_per_address,
-            handshake_s=st.handshake_s,
-        )
-        if st.port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{st.host}")
-        else:
-            self._sock.bind(f"tcp://{st.host}:{st.port}")
-            self.port = st.port
-        self.gate.port = self.port
-        self.gate.start()
-        if keys is None:
-            logger.warning(
-                "no CURVE keys (%s=1): calls travel in clear, and anyone who reaches the port is read before "
-                "the token is checked",
-                auth.INSECURE_ENV,
-            )
+        self._sock, self.gate, self.port = open_socket(self._ctx, st, keys, self.limit)
         self.queues: dict[str, deque] = {}  # request -> calls waiting, in order: (peer, Verify, bytes)
         self.pending: dict[bytes, int] = {}  # peer -> bytes of its calls waiting
         self.loading: dict[str, tuple[Resident, object, float]] = {}  # request -> (resident, future, t0)
@@ -148,14 +117,7 @@ class VerifierServer:
         finally:
             if self.metrics_server is not None:
                 self.metrics_server.close()
-            self.gate.close()
-            try:
-                self._sock.disable_monitor()
-            except self._zmq.ZMQError:
-                pass
-            self._sock.close(0)
-            if not self.gate.is_alive():
-                self._ctx.term()
+            close_socket(self._ctx, self._sock, self.gate)
 
     def _drain(self) -> None:
         zmq = self._zmq
@@ -316,104 +278,6 @@ class VerifierServer:
         of = f" of request {esc(request, 64)}" if request else ""
         self.limit(f"refused calls ({code})", "refused a call%s: %s: %s", of, code, esc(message, 500))
         self._answer(peer, rpc.Failure(request, seq, code, message))
-
-
-class VerifierMetrics(Metrics):
-    """The verifier's Prometheus metrics (vericache_verifier_*). What the server counts anyway (its core's counts,
-    refused calls, the gate's refusals, queues and residents) is read at scrape time; accepted drafts per call and
-    the forward's and the loads' seconds are observed as they happen."""
-
-    def __init__(self, server: "VerifierServer"):
-        super().__init__("vericache_verifier")
-        self.server = server
-        self.accepted = self.histogram(
-            "accepted_drafts", "Drafts accepted per verify call (its drafts: drafts_total).", buckets=COUNT_BUCKETS
-        )
-        self.drafts = self.counter("drafts", "Drafts received in verify calls that were verified.")
-        self.forward_seconds = self.histogram("forward_seconds", "Seconds per verify forward (a batch of calls).")
-        self.load_seconds = self.histogram("load_seconds", "Seconds to load a request's full KV from the store.")
-        self.register(self)
-
-    def verified(self, batch, verdicts, seconds: float) -> None:
-        self.forward_seconds.observe(seconds)
-        for (_, call, _), verdict in zip(batch, verdicts):
-            self.drafts.inc(len(call.drafts))
-            self.accepted.observe(verdict.accepted)
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self.server
-        core, gate, failures = dict(s.core.counts), dict(s.gate.counts), dict(s.failures)
-
-        def counter(name, doc, value=None, label=None, values=None):
-            f = CounterMetricFamily(self.name(name), doc, labels=[label] if label else None)
-            if label:
-                for k, v in values.items():
-                    f.add_metric([k], v)
-            else:
-                f.add_metric([], value)
-            return f
-
-        def gauge(name, doc, value):
-            return GaugeMetricFamily(self.name(name), doc, value=value)
-
-        yield counter(
-            "requests", "Requests admitted: their full KV load started (again after it was freed).", core["loads"]
-        )
-        yield counter("verify_calls", "Verify calls verified (answered with a verdict).", core["calls"])
-        yield counter("forwards", "Verify forwards (each verifies a batch of calls).", core["forwards"])
-        yield counter(
-            "freed_requests",
-            "Requests whose full KV was freed: released by the drafter, expired (unused for --ttl-s), evicted (LRU).",
-            label="why",
-            values={k: core[k] for k in ("released", "expired", "evicted")},
-        )
-        yield counter(
-            "fallbacks",
-            "Calls answered with a Failure, by code: the drafter finishes that request on its own (a fallback).",
-            label="code",
-            values={c: failures.get(c, 0) for c in sorted({*FAILURE_CODES, *failures})},
-        )
-        yield counter(
-            "auth_failures",
-            "Refused peers: key (a handshake with a key not admitted, or no CURVE), handshake (a failed or stalled "
-            "handshake), token (a call with a missing or wrong token).",
-            label="kind",
-            values={"key": gate["refused"], "handshake": gate["failed"], "token": failures.get("auth", 0)},
-        )
-        yield counter(
-            "connections_closed",
-            "Connections closed by the gate: over_cap (past --max-connections), evicted (a pending one, past "
-            "--max-pending or --max-pending-per-address).",
-            label="why",
-            values={"over_cap": gate["cut"], "evicted": gate["evicted"]},
-        )
-        queues, residents = list(s.queues.values()), list(s.core.residents.values())
-        yield gauge(
-            "queued_calls",
-            "Verify calls waiting: for their request's KV, or for the next forward.",
-            sum(map(len, queues)),
-        )
-        yield gauge("loading_requests", "Requests whose full KV is loading from the store.", len(s.loading))
-        yield gauge("resident_requests", "Requests whose full KV is held.", len(residents))
-        yield gauge(
-            "resident_bytes", "Bytes of full KV held (the budget: --memory-gb).", sum(r.nbytes for r in residents)
-        )
-        f = GaugeMetricFamily(
-            self.name("connections"),
-            "Open connections: admitted drafters, pending (no key shown yet).",
-            labels=["state"],
-        )
-        f.add_metric(["admitted"], len(s.gate.open))
-        f.add_metric(["pending"], len(s.gate.pending))
-        yield f
-
-    def describe(self):
-        return []  # collect() reads live state: nothing to describe ahead
-
-
-FAILURE_CODES = ("auth", "malformed", "too_large", "model", "store", "busy", "internal")  # rpc.Failure.code
 
 
 def main(args) -> int:
