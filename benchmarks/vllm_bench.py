@@ -63,12 +63,13 @@ def parse_args(argv=None):
         "--workload",
         default=DEFAULT,
         choices=list(WORKLOADS),
-        help="the defaults of the next six flags: " + "; ".join(f"{w.name}: {w.about}" for w in WORKLOADS.values()),
+        help="the defaults of the next seven flags: " + "; ".join(f"{w.name}: {w.about}" for w in WORKLOADS.values()),
     )
     p.add_argument("--documents", type=int, help="documents (bundled prompts) of the workload")
     p.add_argument("--doc-tokens", type=int, help="each document cut to this many tokens")
     p.add_argument("--questions", type=int, help=f"questions per document (at most {len(QUESTIONS)})")
     p.add_argument("--new", type=int, help="tokens generated per request (ignore_eos)")
+    p.add_argument("--kv-space-gib", type=int, help="every server's KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     p.add_argument("--compressor", default="split16", help="the connector's compressed copy (split16: float32 KV)")
     p.add_argument("--concurrency", type=int, nargs="+", help="the client's --max-concurrency")
     p.add_argument("--gbits", type=float, nargs="+", help="EMULATED store link, Gbit/s")
@@ -119,7 +120,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="build the dataset and print the commands; run nothing")
     a = p.parse_args(argv)
     spec = WORKLOADS[a.workload]
-    for key in ("documents", "doc_tokens", "questions", "new", "concurrency", "gbits"):
+    for key in ("documents", "doc_tokens", "questions", "new", "kv_space_gib", "concurrency", "gbits"):
         if getattr(a, key) is None:
             setattr(a, key, list(getattr(spec, key)) if key in ("concurrency", "gbits") else getattr(spec, key))
     topology = TOPOLOGIES[a.topology]

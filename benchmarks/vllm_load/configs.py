@@ -98,7 +98,15 @@ class Configuration:
         if self.openmp is not None and self.openmp != a.openmp:
             env["LD_PRELOAD"] = openmp_env(self.openmp, a.ld_preload).get("LD_PRELOAD", a.ld_preload)
         if not self.reads_store:
-            return {"vllm": ServerConfig(ctx.model, prefix_caching=True, max_model_len=ctx.max_model_len, env=env)}
+            return {
+                "vllm": ServerConfig(
+                    ctx.model,
+                    prefix_caching=True,
+                    max_model_len=ctx.max_model_len,
+                    kv_space_gib=a.kv_space_gib,
+                    env=env,
+                )
+            }
         cfg = ServerConfig(
             ctx.model,
             store=ctx.store_url,
@@ -109,6 +117,7 @@ class Configuration:
             max_model_len=ctx.max_model_len,
             bandwidth_bytes_per_s=link_bytes_per_s(ctx),
             timeout_s=120.0,  # a slow emulated link: a layer may take seconds
+            kv_space_gib=a.kv_space_gib,
             extra_args=list(self.extra_args),
             env=env,
         )
@@ -174,6 +183,7 @@ def writer_config(ctx: Context):
         ctx.model,
         store=ctx.store_url,
         compressor=ctx.args.compressor,
+        kv_space_gib=ctx.args.kv_space_gib,
         prefix_caching=True,
         max_model_len=ctx.max_model_len,
     )

@@ -68,6 +68,7 @@ class RouterTopology:
                 ctx.model,
                 prefix_caching=True,
                 max_model_len=ctx.max_model_len,
+                kv_space_gib=ctx.args.kv_space_gib,
                 env=env,
                 extra_args=["--block-size", "32"],
                 timeout_s=120.0,

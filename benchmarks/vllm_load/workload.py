@@ -2,7 +2,7 @@
 
 WORKLOADS is the table of named workloads (`--workload NAME`); a workload's figures are the defaults of
 --documents, --doc-tokens, --questions, --new, --concurrency and --gbits (a flag given wins), and its `texts`
-the documents it cuts. A new workload is one entry here (its own `texts` where the bundled prompts do not fit).
+the documents it cuts (and --kv-space-gib, the servers' KV cache). A new workload is one entry here (its own `texts` where the bundled prompts do not fit).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class WorkloadSpec:
     doc_tokens: int  # each document cut to this many tokens
     questions: int  # per document (at most len(QUESTIONS))
     new: int  # tokens generated per request
+    kv_space_gib: int  # every server's KV cache: the documents and every request's tokens at once
     concurrency: tuple[int, ...]
     gbits: tuple[float, ...]
     texts: Callable[[], dict[str, str]] = bundled_prompts  # name -> text: the documents, in order
@@ -64,6 +65,7 @@ WORKLOADS = {
             doc_tokens=1800,
             questions=4,
             new=64,
+            kv_space_gib=1,
             concurrency=(1, 4, 8),
             gbits=(0.1, 0.4),
         ),
@@ -77,6 +79,7 @@ WORKLOADS = {
             doc_tokens=6400,
             questions=4,
             new=256,
+            kv_space_gib=4,  # 4 x 6,400 document tokens + 16 x 300 request tokens: ~1.4 GiB, and room to spare
             concurrency=(1, 8, 16),
             gbits=(0.0, 0.1),
             texts=long_documents,

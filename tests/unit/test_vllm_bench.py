@@ -298,18 +298,21 @@ def test_a_libgomp_alternative_runs_without_the_intel_preload(tmp_path, monkeypa
 def test_a_workload_is_one_entry_of_the_table_and_its_figures_are_the_flags_defaults(monkeypatch):
     args = vllm_bench.parse_args([])
     assert (args.workload, args.documents, args.doc_tokens, args.questions, args.new) == ("short", 4, 1800, 4, 64)
+    assert args.kv_space_gib == 1
     assert (args.concurrency, args.gbits) == ([1, 4, 8], [0.1, 0.4])
     assert vllm_bench.parse_args(["--new", "8", "--gbits", "0.2"]).new == 8  # a flag given wins
-    long = workload.WorkloadSpec("long", "long documents", 2, 7000, 1, 256, (1, 8, 16), (0.4,), texts=dict)
+    long = workload.WorkloadSpec("long", "long documents", 2, 7000, 1, 256, 4, (1, 8, 16), (0.4,), texts=dict)
     monkeypatch.setitem(workload.WORKLOADS, "long", long)
     args = vllm_bench.parse_args(["--workload", "long"])
-    assert (args.documents, args.doc_tokens, args.new, args.concurrency, args.gbits) == (
+    assert (args.documents, args.doc_tokens, args.new, args.kv_space_gib, args.concurrency, args.gbits) == (
         2,
         7000,
         256,
+        4,
         [1, 8, 16],
         [0.4],
     )
+    assert vllm_bench.parse_args(["--workload", "long", "--gbits", "0", "0.1"]).gbits == [0.0, 0.1]  # 0: beside
 
 
 def test_the_connectors_load_lines_are_kept_without_vllms_prefix():
