@@ -2,7 +2,7 @@
 emits (`emit`), and the settings every decode loop shares (`DecodeSettings`).
 
 Every decode loop calls these: VeriCacheEngine's speculative loop (engine/speculative.py), the serving
-engine's verify step (engine/serving.py), the remote verifier (remote/verifier.py, remote/openai_verifier.py)
+engine's verify step (engine/executor.py), the remote verifier (remote/verifier.py, remote/openai_verifier.py)
 and the remote drafter (remote/drafter.py). vLLM's proposer is verified by vLLM's own rejection sampler.
 
 verify (Leviathan et al. 2023; Chen et al. 2023), drafts d_1..d_k and the full-KV logits z_0..z_k at the
