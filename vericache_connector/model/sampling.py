@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 class DecodeSettings:
     """What every decode loop shares: the draft horizon's bounds, the sampling temperature and whether EOS
     ends a request. DecodeConfig (engine/speculative.py, one request or a static batch) and ServingConfig
-    (engine/scheduler.py, continuous batching) extend it with their own knobs and defaults."""
+    (engine/config.py, continuous batching) extend it with their own knobs and defaults."""
 
     k_min: int = 2  # fewest drafts per verification
     k_max: int = 32  # most drafts per verification
