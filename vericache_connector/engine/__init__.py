@@ -7,9 +7,9 @@ what the full KV agrees with) and differ in what they serve.
                     a single request, exactness checks, and behind the remote prefix cache (remote/).
   ServingEngine     (serving.py) continuous batching under a device KV budget, the paper's long-context
                     serving: only the compressed KV stays resident, each row's full prompt KV lives in a host
-                    tier and is reloaded over the link for its verifications (scheduler.py plans them). A round
-                    spans several steps: a row drafts one token per step, then its verify segment rides in a
-                    packed forward. Use it for many concurrent long requests under a memory budget.
+                    tier and is reloaded over the link for its verifications (scheduler.py and rounds.py plan
+                    them). A round spans several steps: a row drafts one token per step, then its verify segment
+                    rides in a packed forward. Use it for many concurrent long requests under a memory budget.
 
     from vericache_connector.engine import VeriCacheEngine, DecodeConfig, ServingEngine, ServingConfig, Request
 

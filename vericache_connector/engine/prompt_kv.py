@@ -1,4 +1,4 @@
-"""Where a prompt's KV goes at prefill (ServingEngine._prefill hands it each layer as soon as it is done).
+"""Where a prompt's KV goes at prefill (StepExecutor.prefill, executor.py, hands it each layer as soon as it is done).
 
   draft side   what drafts attend over, resident:
                  packed     a quantizer's codes and scales in the packed pool (KIVI's float residual in the

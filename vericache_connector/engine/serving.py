@@ -1,8 +1,9 @@
 """ServingEngine: requests arrive over time, are admitted under a device KV budget, decode in one continuous
 batch, finish and leave. nano-vllm's shape: add_request() queues a request, step() runs one step (the scheduler
-decides: scheduler.py, admission, the reload plans, what runs; the engine runs it: model_runner.py computes,
-host_tier.py moves full KV, sampling and the accept rule of model/sampling.py; the scheduler applies the results:
-postprocess), has_unfinished() says whether any request is left; run(trace) is a loop over them.
+decides: scheduler.py, admission, the reload plans (rounds.py), what runs; the engine runs it: model_runner.py
+computes, host_tier.py moves full KV, executor.py places a prompt's KV and picks each row's token by the sampling
+and the accept rule of model/sampling.py; the scheduler applies the results: postprocess), has_unfinished() says
+whether any request is left; run(trace) is a loop over them.
 
     engine = ServingEngine(model, ServingConfig(policy="vericache", budget_bytes=..., link_bytes_per_s=...))
     report = engine.run([Request("a", prompt_ids, 128, arrival_s=0.0), ...])
@@ -16,8 +17,8 @@ Every policy's greedy output is each request's own single-request full-KV greedy
 (shown for reference): VeriCache verifies every draft on the full KV before it is emitted. Where a round
 happens: a VeriCache row drafts one token per step (a "draft" segment) until its planned verify step, whose
 "verify" segment runs [pending, d_1..d_k] over the reloaded full KV in the same packed forward. Where VeriCache
-does not pay, rows decode on full KV instead (_decide: the capacity model before rows run, the guard while they
-do).
+does not pay, rows decode on full KV instead (fallback.py: the capacity model before rows run, the guard while
+they do).
 """
 
 from __future__ import annotations
@@ -27,18 +28,17 @@ import time
 
 import torch
 
-import vericache_kernels.paged_packed as PP
-
 from ..compressors import get_compressor
-from ..model.sampling import sample, verify
 from . import capacity
 from .block_manager import BlockManager
 from .config import ServingConfig
+from .executor import StepExecutor
+from .fallback import FallbackDecision
 from .guard import Guard
-from .host_tier import HostEntry, Link, ReloadFailed, to_host_blocks
-from .model_runner import Batch, ModelRunner, Prefilled, Sampled, Segment
+from .host_tier import Link, ReloadFailed
+from .model_runner import Batch, ModelRunner, Prefilled, Sampled
 from .pools import PoolLayout
-from .prompt_kv import PromptPlacer, gather
+from .prompt_kv import PromptPlacer
 from .report import ServingReport, TimeSplit, observed_alpha
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -48,7 +48,9 @@ SEEN_ROWS = 256  # the acceptances of the last rows seen, for the capacity model
 STALL_LIMIT_S = 5.0  # idle with nothing to wait for this long: raise instead of spinning
 
 
-class ServingEngine:
+class ServingEngine(FallbackDecision):
+    """See the module docstring; where rows go on full KV is FallbackDecision's (fallback.py)."""
+
     def __init__(self, model, cfg: ServingConfig, prefill_store: dict | None = None):
         """prefill_store: a dict shared by engines serving the same prompts (benchmarks): each prompt's forward
         runs once, later prefills replay its layers (see ModelRunner.prefill)."""
@@ -100,7 +102,7 @@ class ServingEngine:
     def _reset(self) -> None:
         """No requests, nothing allocated: the next step (or run) starts serving afresh."""
         self.seqs: list[Sequence] = []
-        self.scheduler = self.pools = self.link = self.runner = self.prediction = None
+        self.scheduler = self.pools = self.link = self.runner = self.executor = self.prediction = None
         self.split, self.reload_failures, self._stalled_s, self.t0 = TimeSplit(), 0, 0.0, None
         self.guard, self._full_rate, self.guard_tripped_s = Guard(self.cfg.guard_margin), None, None
         self._decided: set[int] = set()  # the rows (id of their Sequence) a planner decision was made for
@@ -243,115 +245,24 @@ class ServingEngine:
         for s in self.seqs:
             self.scheduler.add(s)
         self.runner = ModelRunner(self.model, self.pools, cfg.backend)
+        self.executor = StepExecutor(
+            cfg, self.model, self.pools, self.runner, self.placer, self.layout, self.prefill_store
+        )
         self.t0 = time.perf_counter()
-
-    def _decide(self) -> None:
-        """Where VeriCache does not pay, rows go on full KV (Scheduler.fallback). Before VeriCache rows run (nothing
-        admitted, requests waiting or to arrive), the planner: the capacity model (cfg.hardware) for those requests;
-        where it predicts VeriCache / full KV <= 1 + cfg.fallback_margin, they are admitted on full KV. While they
-        run, the guard (guard.py): where their measured rate is below full KV's, rows move to full KV.
-        A decision holds for the requests it was made for: the engine empties between waves (a budget that holds a
-        few rows), and the rest of a trace is not re-predicted alone (a tail of two rows looks better to the model
-        than it serves) nor moved back to VeriCache after the guard measured a loss. Requests added since are
-        decided afresh, with everything known then."""
-        s, cfg = self.scheduler, self.cfg
-        if cfg.policy != "vericache":
-            return
-        if not (s.running or s.prefilling or s.paused):
-            self.guard.reset()
-            pending = list(s.waiting) + s.arrivals
-            if not any(id(q) not in self._decided for q in pending):
-                return
-            self._decided.update(id(q) for q in pending)
-            s.fallback = False
-            if cfg.hardware is not None:
-                pred = self.predict([q.request for q in pending])
-                s.fallback = cfg.planner and pred.speedup <= 1 + cfg.fallback_margin
-                self.prediction, self._full_rate = self.prediction or pred, pred.full_tokens_per_s
-            return
-        rows = [q for q in s.running if not q.full_kv]
-        reload_s = max((s.reload_seconds(q) for q in rows), default=0.0)
-        if cfg.guard and not s.fallback and self.guard.loses(rows, self._full_rate, reload_s):
-            s.fallback, self.guard_tripped_s = True, self.now()
-
-    def predict(self, trace: list[Request]) -> capacity.Prediction:
-        """The capacity model (engine/capacity.py) for these requests on cfg.hardware, with the acceptance of the
-        rows this engine has seen (else cfg.alpha_rows, else cfg.alpha_prior) and the overheads it measured (per
-        step, per verification, per VeriCache prefill; else the configured ones)."""
-        hw = self.cfg.hardware
-        if self.overhead is not None:
-            hw = dataclasses.replace(hw, step_overhead_s=self.overhead[0], verify_overhead_s=self.overhead[1])
-        alphas = self.seen_alphas or list(self.cfg.alpha_rows) or self.cfg.alpha_prior
-        return capacity.for_trace(self, trace, alphas, hw, prefill_s=self.prefill_added_s)
 
     def now(self) -> float:
         """Seconds on the engine's clock (0 until the first step)."""
         return 0.0 if self.t0 is None else time.perf_counter() - self.t0
 
-    # ---- run: one prefill ----
+    # ---- run: one prefill (executor.py), one packed forward (model_runner.py, then executor.py) ----
     def _prefill(self, seq: Sequence) -> Prefilled:
-        """The prompt's forward, layer by layer: full KV -> its own blocks (full), or -> the compressor and the
-        draft pool (lossy, vericache) and the host tier + the resident tail (vericache)."""
-        full_row, bs, pools = seq.full_kv, self.cfg.block_size, self.pools
-        stored = seq.prompt_len // bs * bs
-        host = HostEntry([], [], stored, stored) if self.cfg.policy == "vericache" and not full_row else None
-        pin = self.model.device.type == "cuda"
-        draft_len = packed_len = 0
-        added = 0.0  # seconds in the layers' compression, packing and host copy (what VeriCache adds)
-        ids = seq.request.prompt_ids
-
-        def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor, obs: torch.Tensor | None) -> None:
-            nonlocal draft_len, packed_len, added
-            if full_row:
-                full = pools["full"]
-                full.write(layer, full.slots(seq.blocks["full"], 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
-                return
-            t0 = time.perf_counter()
-            side, dropped = self.placer.draft_side(ids, layer, k, v, obs)
-            if side[0] == "packed":  # the codes into packed blocks, KIVI's residual into the draft pool
-                packed_len = self._write_packed(seq, layer, side[1], side[2])
-                ck, cv = side[1].get("k_tail"), side[1].get("v_tail")
-            else:
-                ck, cv = side[1], side[2]
-            draft_len = 0 if ck is None else ck.shape[1]
-            if draft_len:
-                draft = pools["draft"]
-                draft.write(
-                    layer, draft.slots(seq.blocks["draft"], 0, draft_len), ck.transpose(0, 1), cv.transpose(0, 1)
-                )
-            if host is not None:  # the stored part (or what the draft pool lacks of it) to the host tier
-                if dropped is None:
-                    kb, vb = to_host_blocks(k, v, stored, bs, self.model.dtype, pin)
-                else:
-                    kb, vb = to_host_blocks(*gather(k, v, dropped), dropped.shape[1], bs, self.model.dtype, pin)
-                    host.dropped.append(dropped.cpu())
-                    host.tokens = dropped.shape[1]
-                host.keys.append(kb)
-                host.values.append(vb)
-                full = pools["full"]  # the prompt's last partial block stays resident
-                tail = full.slots(seq.blocks["full"], 0, seq.prompt_len - stored)
-                full.write(layer, tail, k[:, stored:].transpose(0, 1), v[:, stored:].transpose(0, 1))
-            added += time.perf_counter() - t0
-
-        needs_queries = self.compressor is not None and self.compressor.needs_queries and not full_row
-        logits = self.runner.prefill(ids, self.cfg.obs_window if needs_queries else 0, on_layer, self.prefill_store)
-        if self.complement and not full_row:  # the draft view: [kept positions, the resident tail's blocks (shared)]
-            draft_len += seq.prompt_len - stored
-        if not full_row:
+        """The prompt's prefill (StepExecutor.prefill), and what VeriCache added to its forward (EMA)."""
+        result, added = self.executor.prefill(seq)
+        if added is not None:
             m = self.prefill_added_s
             self.prefill_added_s = added if m is None else 0.8 * m + 0.2 * added
-        first, _ = sample(logits[None], self.cfg.temperature, seq.generator)
-        return Prefilled(int(first[0]), draft_len, host, packed_len)
+        return result
 
-    def _write_packed(self, seq: Sequence, layer: int, t: dict, n: int) -> int:
-        """One layer of a quantized prompt (its n quantized entries) into the row's packed blocks."""
-        if n:
-            codes = {name: x for name, x in t.items() if not name.endswith("_tail")}
-            blocks = PP.to_blocks(self.packed, codes, n, self.cfg.block_size)
-            self.pools["packed"].write_blocks(layer, seq.blocks["packed"][: blocks["k"].shape[0]], blocks)
-        return n
-
-    # ---- run: one packed forward ----
     def _packed_step(self, batch: Batch) -> tuple[dict[int, Sampled], float] | None:
         """Every running row's tokens in one forward; then each row's token: sampled (decode, draft) or by the
         accept rule (verify). None when a reload failed (its KV recomputed; the verifications retry)."""
@@ -360,81 +271,15 @@ class ServingEngine:
         except ReloadFailed:
             for seg in batch.segments:
                 if seg.kind == "verify" and seg.reload is not None and seg.reload.error is not None:
-                    self._recompute_full(seg.seq)
+                    self.reload_failures += 1
+                    self.executor.recompute_full(seg.seq)
             self.scheduler.verify_failed(batch)
             return None
         self._stalled_s = 0.0
         self.split.add_step({s.kind for s in batch.segments}, dt, wait)
         if self.cfg.hardware is not None and self.cfg.policy == "vericache":
             self._measure_overhead(batch.segments, dt - wait)
-        out = {}
-        for seg in batch.segments:
-            lg, seq = logits[id(seg.seq)], seg.seq
-            if seg.kind != "verify":
-                tok, q = sample(lg[-1:], self.cfg.temperature, seq.generator)
-                out[id(seq)] = Sampled(int(tok[0]), None if q is None else q[0])
-                continue
-            k = len(seq.drafts)
-            if self.acceptance is not None:  # replayed acceptance (a random-weight model)
-                n, token = min(k, int(self.acceptance(seq, k))), None
-                token = int(lg[n].argmax())
-            else:
-                d = torch.tensor([seq.drafts], device=lg.device, dtype=torch.long).view(1, k)
-                q = torch.stack(seq.draft_probs)[None] if self.cfg.temperature > 0 and k else None
-                nt, tt = verify(d, lg[None], self.cfg.temperature, q, seq.generator)
-                n, token = int(nt[0]), int(tt[0])
-            if not (self.complement or seq.moving):  # complement: drafts and the verify share the tail's blocks
-                self._keep_exact(seg, n + 1)
-            out[id(seq)] = Sampled(token, accepted=n)
-        return out, dt - wait
-
-    def _measure_overhead(self, segments: list[Segment], compute_s: float) -> None:
-        """What a step with VeriCache rows took beyond its roofline (capacity.pass_s at this step's shape, on
-        cfg.hardware): EMAs over steps without a verification, and per verification over the steps with some."""
-        if not any(seg.kind in ("draft", "verify") for seg in segments):
-            return
-        per = {p: b / self.cfg.block_size for p, b in self.sizes.block_bytes.items()}
-        kv = tokens = dense = draft = verifies = 0
-        for seg in segments:
-            q, n = len(seg.tokens), seg.start + len(seg.tokens)
-            tokens += q
-            if seg.pool == "full":
-                dense, kv, verifies = dense + q * n, kv + n * per["full"], verifies + (seg.kind == "verify")
-            else:
-                draft += q * (n + seg.packed_len)
-                kv += n * per["draft"] + seg.packed_len * per.get("packed", 0)
-        left = compute_s - capacity.pass_s(self.cfg.hardware, self._step_wl, kv, tokens, dense, draft)
-        step, verify = self.overhead or (None, 0.0)
-        if not verifies:
-            step = left if step is None else 0.8 * step + 0.2 * left
-        elif step is not None:
-            verify = 0.8 * verify + 0.2 * (left - step) / verifies
-        if step is not None:
-            self.overhead = (step, verify)
-
-    def _keep_exact(self, seg: Segment, keep: int) -> None:
-        """The draft cache gets the exact KV of pending + the accepted drafts, from the verify pass."""
-        seq, full, draft = seg.seq, self.pools["full"], self.pools["draft"]
-        src = full.slots(seg.view, seq.full_len, keep)
-        dst = draft.slots(seq.blocks["draft"], seq.draft_len - len(seq.drafts), keep)
-        bs = full.block_size
-        for layer in range(len(full.caches)):
-            kc, vc = full.caches[layer]
-            draft.write(layer, dst, kc[src // bs, :, :, src % bs], vc[src // bs, :, src % bs])
-
-    def _recompute_full(self, seq: Sequence) -> None:
-        """The reload failed: recompute the prompt's stored part into the staging blocks (exact KV; with a
-        complement reload only the positions the draft pool lacks)."""
-        self.reload_failures += 1
-        full, dropped = self.pools["full"], seq.host.dropped
-
-        def into_staging(layer: int, k: torch.Tensor, v: torch.Tensor, obs) -> None:
-            if dropped:
-                k, v = gather(k, v, dropped[layer].to(k.device))
-            full.write(layer, full.slots(seq.staging, 0, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1))
-
-        self.runner.prefill(seq.request.prompt_ids[: seq.stored_prompt], 0, into_staging)
-        seq.reload = _Ready()
+        return self.executor.tokens(batch, logits, self.acceptance), dt - wait
 
     # ---- nothing to compute ----
     def _idle(self) -> None:
@@ -463,16 +308,3 @@ class ServingEngine:
                     f"{sched.blocks.budget} bytes in use"
                 )
         self.split.idle_s += time.perf_counter() - t
-
-
-class _Ready:
-    """A reload that needs no waiting (its KV was recomputed in place)."""
-
-    done = prefetched = True
-    error = None
-
-    def wait_layer(self, layer: int) -> float:
-        return 0.0
-
-    def consume(self, layer: int) -> None:
-        return None

@@ -2,7 +2,7 @@
 emits (`emit`), and the settings every decode loop shares (`DecodeSettings`).
 
 Every decode loop calls these: VeriCacheEngine's speculative loop (engine/speculative.py), the serving
-engine's verify step (engine/serving.py), the remote verifier (remote/verifier.py, remote/openai_verifier.py)
+engine's verify step (engine/executor.py), the remote verifier (remote/verifier.py, remote/openai_verifier.py)
 and the remote drafter (remote/drafter.py). vLLM's proposer is verified by vLLM's own rejection sampler.
 
 verify (Leviathan et al. 2023; Chen et al. 2023), drafts d_1..d_k and the full-KV logits z_0..z_k at the
@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 class DecodeSettings:
     """What every decode loop shares: the draft horizon's bounds, the sampling temperature and whether EOS
     ends a request. DecodeConfig (engine/speculative.py, one request or a static batch) and ServingConfig
-    (engine/scheduler.py, continuous batching) extend it with their own knobs and defaults."""
+    (engine/config.py, continuous batching) extend it with their own knobs and defaults."""
 
     k_min: int = 2  # fewest drafts per verification
     k_max: int = 32  # most drafts per verification
