@@ -49,9 +49,9 @@ class WorkloadSpec:
     doc_tokens: int  # each document cut to this many tokens
     questions: int  # per document (at most len(QUESTIONS))
     new: int  # tokens generated per request
-    kv_space_gib: int  # every server's KV cache: the documents and every request's tokens at once
     concurrency: tuple[int, ...]
     gbits: tuple[float, ...]
+    kv_space_gib: int = 1  # every server's KV cache: the documents and every request's tokens at once
     texts: Callable[[], dict[str, str]] = bundled_prompts  # name -> text: the documents, in order
 
 
@@ -65,7 +65,6 @@ WORKLOADS = {
             doc_tokens=1800,
             questions=4,
             new=64,
-            kv_space_gib=1,
             concurrency=(1, 4, 8),
             gbits=(0.1, 0.4),
         ),

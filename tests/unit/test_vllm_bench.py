@@ -301,7 +301,7 @@ def test_a_workload_is_one_entry_of_the_table_and_its_figures_are_the_flags_defa
     assert args.kv_space_gib == 1
     assert (args.concurrency, args.gbits) == ([1, 4, 8], [0.1, 0.4])
     assert vllm_bench.parse_args(["--new", "8", "--gbits", "0.2"]).new == 8  # a flag given wins
-    long = workload.WorkloadSpec("long", "long documents", 2, 7000, 1, 256, 4, (1, 8, 16), (0.4,), texts=dict)
+    long = workload.WorkloadSpec("long", "long documents", 2, 7000, 1, 256, (1, 8, 16), (0.4,), 4, texts=dict)
     monkeypatch.setitem(workload.WORKLOADS, "long", long)
     args = vllm_bench.parse_args(["--workload", "long"])
     assert (args.documents, args.doc_tokens, args.new, args.kv_space_gib, args.concurrency, args.gbits) == (
