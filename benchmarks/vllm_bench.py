@@ -3,7 +3,10 @@
   plain vLLM            no connector: vLLM's prefix cache only (runs once per concurrency: it reads no store)
   connector             VeriCacheConnector: a document's first request loads its stored prefix's full copy
   connector + ngram     the same, with vLLM's own n-gram proposer (prompt lookup 2-4, --ngram-k tokens)
-  connector + proposer  the same, with CompressedKVProposer (--spec-k tokens): drafts on the compressed copy
+  connector + proposer, n-gram only
+                        the same, with CompressedKVProposer never using the compressed copy (VERICACHE_DRAFTS=ngram)
+  connector + proposer  the same, with CompressedKVProposer (--spec-k tokens): pre-drafts on the compressed copy,
+                        n-gram matches, drafts on a view of each request's own KV
 
 Workload (--workload: a named set of the defaults below, vllm_load/workload.py): --documents bundled prompts cut
 to --doc-tokens tokens (decoded back to text), each followed by --questions short questions, shuffled with a
@@ -15,16 +18,18 @@ document's first question, once. Every measured server then starts with vLLM's c
 hard-linked copy of that store (warm), behind an EMULATED store link (--gbits: a token bucket on the store's
 reads; the compute is real), and answers one short unrelated request before the client starts.
 
-Per row: output tokens/s and its ratio to the best alternative (the best of plain vLLM, connector and
-connector + ngram at that link and concurrency), mean/p90 TTFT, mean TPOT, mean/p90 E2E, whether every
-generated text equals plain vLLM's (same concurrency, request by request), the 1-minute load average when
-its client started, the connector's loads and vLLM's drafted/accepted tokens. Results land in
+Per row: output tokens/s and its ratio to the best alternative (the best of the other four at that link and
+concurrency), mean/p90 TTFT, mean TPOT, mean/p90 E2E, whether every generated text equals plain vLLM's (same
+concurrency, request by request), the 1-minute load average when its client started, the connector's loads,
+vLLM's drafted/accepted tokens, the proposer's accepted tokens by source (accepted_by_source) and its step
+times (target_step_ms by batch, draft_step_ms by rows). Results land in
 results/vllm_bench/<stamp>/: results.json (a top-level "summary": one entry per (gbits, concurrency,
 configuration); per run the client's figures per request and the connector's load lines), table.md,
 command.txt, throughput.png, and logs/ (out of git: the dataset, every server's log, each client's raw JSON and
 output). Same-run ratios only; run it on an idle machine.
 
     python benchmarks/vllm_bench.py --concurrency 1 4 8 --gbits 0.1 0.4
+    python benchmarks/vllm_bench.py --workload long      # 6,400-token documents, 256 new tokens, c 1/8/16, --gbits 0 0.1
 
 --topology router (vllm_load/router.py): the same client and summary over N drafter-role servers + a verifier
 beside the store + `vericache router`, against the same N cores running connector replicas or plain vLLM

@@ -15,6 +15,7 @@ from vericache_connector.integration.vllm.connector.config import PROPOSER_CLASS
 from vericache_connector.integration.vllm.connector.paged_layout import kv_views
 from vericache_connector.integration.vllm.connector.stats import VeriCacheStats
 
+from net import wait_for  # noqa: F401 - the in-process tests' wait, from here with the rest of their set-up
 from stores import random_kv
 from vllm_unit import BLOCK_SIZE, create_vllm_config
 
@@ -71,14 +72,3 @@ def drained(get, until, timeout_s: float = 10.0) -> VeriCacheStats:
         got.aggregate(get() or VeriCacheStats())
         time.sleep(0.02)
     return got
-
-
-def wait_for(fn, timeout_s=30.0):
-    """fn()'s first truthy answer, asked every 50 ms (AssertionError after timeout_s)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError("timed out")

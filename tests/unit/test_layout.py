@@ -182,3 +182,13 @@ def test_test_modules_have_unique_basenames():
     for p in (ROOT / "tests").rglob("test_*.py"):
         seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
     assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_no_module_of_the_package_passes_400_lines():
+    """Rooms stay small enough to read (issue 51): a module that grows past 400 lines is split along a seam."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "vericache_connector").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, long

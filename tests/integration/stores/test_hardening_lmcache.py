@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import struct
-import time
 
 from test_storage_lmcache import (
     _lmcache,  # noqa: F401 - its autouse skip: no LMCache, no test
@@ -27,6 +26,8 @@ from test_storage_lmcache import (
 )
 
 from storage_backends.base import StorageBackend
+
+from net import wait_for
 
 
 def test_objects_of_the_wrong_layout_are_misses(memory_url, caplog):
@@ -116,10 +117,4 @@ def test_a_huge_object_is_not_read_whole(memory_url, caplog):
 
 
 def run_until(get, seconds: float = 10):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = get()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("the put never landed")
+    return wait_for(get, timeout_s=seconds, what=lambda: "the put never landed")
