@@ -21,6 +21,8 @@ SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
 
+from run_shared import shared  # noqa: E402
+
 from stores import RedisProcess, has_module, need  # noqa: E402
 
 NEW_TOKENS = 64
@@ -34,24 +36,6 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
-def shared(tmp_path_factory, name: str, compute):
-    """compute() once per test run. Under pytest-xdist the first worker to ask computes it and saves it in
-    the run's temporary root (which all workers share), under a file lock; the others wait and load it.
-    Only for this run's own values (nothing is reused across runs)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return compute()
-    import torch
-    from filelock import FileLock
-
-    path = tmp_path_factory.getbasetemp().parent / f"shared-{name}.pt"
-    with FileLock(f"{path}.lock"):
-        if path.is_file():
-            return torch.load(path, weights_only=False)  # written by a worker of this run
-        value = compute()
-        torch.save(value, path)
-        return value
 
 
 # ---------------------------------------------------------------- the real model

