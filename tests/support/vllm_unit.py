@@ -83,7 +83,10 @@ def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 200) -> Schedule
     )
 
 
-def create_request(prompt_ids: list[int], max_tokens: int = 4, block_size: int = BLOCK_SIZE, **sampling) -> Request:
+def create_request(
+    prompt_ids: list[int], max_tokens: int = 4, block_size: int = BLOCK_SIZE, request_fields=None, **sampling
+) -> Request:
+    """A vLLM v1 request; request_fields: more of Request's own arguments (cache_salt, lora_request)."""
     global _hash_ready
     from vllm.utils.hashing import sha256
 
@@ -99,6 +102,7 @@ def create_request(prompt_ids: list[int], max_tokens: int = 4, block_size: int =
         pooling_params=None,
         mm_features=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
+        **(request_fields or {}),
     )
 
 

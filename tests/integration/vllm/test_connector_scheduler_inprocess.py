@@ -58,6 +58,48 @@ def test_stored_prefix_is_loaded_asynchronously_then_the_rest_computed(model_dir
     assert not (conn._requests or conn._loads)  # every fact about the request is dropped with it
 
 
+def lora(name: str, n: int):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, n, f"/nonexistent/{name}")  # never loaded: the scheduler half only reads it
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"cache_salt": "tenant-b"}, "a cache_salt"),
+        ({"lora_request": lora("adapter-a", 1)}, "a LoRA adapter"),
+    ],
+    ids=["cache_salt", "lora"],
+)
+def test_input_the_store_keys_do_not_cover_is_neither_loaded_nor_saved(model_dir, store_url, fields, why, monkeypatch):
+    """Issue 54 (2): the store keys a prefix by its token ids and the model. A request with its own cache_salt
+    (another tenant) or a LoRA adapter (KV that is not the base model's) must never load a stored entry of the
+    same tokens, nor write one that a plain request would load: it is computed and left out of the store,
+    with one warning; the plain request beside it still loads."""
+    from vericache_connector.integration.vllm.connector import scheduler as half
+
+    warned = []
+    monkeypatch.setattr(half.logger, "warning", lambda msg, *args: warned.append(msg % args))
+
+    asyncio.run(seed_prefix(store_url, PROMPT[:STORED]))
+    sched = create_scheduler(vllm_config(model_dir, store_url))
+    odd, plain = create_request(PROMPT, request_fields=fields), create_request(PROMPT)
+    assert half.unkeyed_input(odd) == why and half.unkeyed_input(plain) is None
+    half._TOLD.discard(why)
+    sched.add_request(odd)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens[odd.request_id] == len(PROMPT)  # computed here, the stored copy unread
+    assert not so.kv_connector_metadata.loads and not so.kv_connector_metadata.saves
+    assert [w for w in warned if why in w and "neither looked up" in w], warned
+    sched.update_from_output(so, runner_output([odd]))
+    assert not sched.schedule().kv_connector_metadata.saves  # and never saved
+    sched.add_request(plain)
+    so = sched.schedule()
+    (load,) = so.kv_connector_metadata.loads  # the same tokens without them: the stored entry loads
+    assert load.prefix == PROMPT[:STORED]
+
+
 @pytest.mark.parametrize("first_bad", [0, 1])
 def test_failed_load_is_recomputed_then_rewritten(model_dir, store_url, first_bad):
     """first_bad 0: nothing valid was loaded, vLLM asks the connector again; 1: block 0 stays valid

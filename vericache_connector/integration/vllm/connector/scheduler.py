@@ -44,10 +44,40 @@ RECENT_PREFIXES = 4096  # prefixes saved or loaded lately, not saved again (one 
 SAVE_SETTLE_S = 60.0  # a save this old has ended (worker.SAVE_TIMEOUT_S and then some)
 
 
+def unkeyed_input(request) -> str | None:
+    """What of the request the store's keys do not cover (they cover the prompt's token ids, the served model
+    and the deployment's cache_salt), where vLLM's own block hashes do: a per-request cache_salt (tenants never
+    share an entry), a LoRA adapter (its KV is not the base model's), multimodal input or prompt embeddings
+    (the token ids do not say what was attended). Such a request is neither looked up nor saved."""
+    if getattr(request, "cache_salt", None):
+        return "a cache_salt"
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    if getattr(request, "mm_features", None):
+        return "multimodal input"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
+
+
+_TOLD: set[str] = set()  # the kinds of unkeyed request already logged (once per process each)
+
+
 def connector_off(request) -> bool:
-    """kv_transfer_params {"vericache": "off"}: the connector leaves this request alone."""
+    """kv_transfer_params {"vericache": "off"}, or input the store's keys do not cover: the connector leaves
+    this request alone."""
     params = getattr(request, "kv_transfer_params", None)
-    return isinstance(params, dict) and params.get("vericache") == "off"
+    if isinstance(params, dict) and params.get("vericache") == "off":
+        return True
+    why = unkeyed_input(request)
+    if why is not None and why not in _TOLD:
+        _TOLD.add(why)
+        logger.warning(
+            "VeriCache: requests with %s are neither looked up in nor saved to the store (its keys cover the "
+            "prompt's tokens and the model; vLLM's own prefix cache still serves them)",
+            why,
+        )
+    return why is not None
 
 
 TWIN_WAIT_S = 60.0  # a request waits at most this long for another's load or prefill of its stored prefix
