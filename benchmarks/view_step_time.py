@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its proposer reachable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # the draft step measured at every context, also where the proposer would not draft on a view (max_share)
+    os.environ.setdefault("VERICACHE_DRAFT_VIEW", "max_share=1")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

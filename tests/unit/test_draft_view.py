@@ -107,6 +107,19 @@ def test_view_policy_from_the_environment():
     assert ViewPolicy.from_env({"VERICACHE_DRAFT_VIEW": "sink=2, recent=3"}) == ViewPolicy(sink=2, recent=3)
     with pytest.raises(ValueError, match="'window=4'"):
         ViewPolicy.from_env({"VERICACHE_DRAFT_VIEW": "window=4"})
+    assert ViewPolicy.from_env({"VERICACHE_DRAFT_VIEW": "max_share=0.5"}) == ViewPolicy(max_share=0.5)
+    for bad in ("max_share=0", "max_share=1.5"):
+        with pytest.raises(ValueError, match="max_share"):
+            ViewPolicy.from_env({"VERICACHE_DRAFT_VIEW": bad})
+
+
+def test_a_row_drafts_on_its_view_only_where_the_view_is_a_small_share_of_its_kv():
+    """The default view (6 full blocks + the tail) is at most a quarter of a row's blocks from 27 full blocks on
+    (3,456 tokens at vLLM's CPU block of 128); a row of 1,792 tokens (the short benchmark's) does not draft on it."""
+    view, bs = ViewPolicy(), 128
+    assert not view.small_enough(1792, bs) and not view.small_enough(27 * bs - 1, bs)
+    assert view.small_enough(27 * bs, bs) and view.small_enough(6400, bs)
+    assert ViewPolicy(max_share=1.0).small_enough(6 * bs, bs) and not ViewPolicy(max_share=1.0).small_enough(5 * bs, bs)
 
 
 # ---- the view drafter over vLLM's module layout and a stand-in for vLLM's model runner --------------------------

@@ -220,7 +220,7 @@ def test_every_configuration_is_exact_under_a_served_load(model_dir, prompts, lo
             srv.complete(p, 1)
         wait_lines(srv, r"saved \S+: \d+ tokens", 2)
         assert at_once(srv, load) == want, "connector"
-    proposer = {"spec_k": 8}
+    proposer = {"spec_k": 8, "env": {"VERICACHE_DRAFT_VIEW": "max_share=1"}}  # views of 7 of 17 blocks: drafted
     ngram_only = {"spec_k": 8, "env": {"VERICACHE_DRAFTS": "ngram"}}
     for name, extra in (
         ("connector + proposer", proposer),

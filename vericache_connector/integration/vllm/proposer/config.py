@@ -7,7 +7,8 @@ VERICACHE_DRAFTS      which drafts the proposer offers, a comma list of
                         ngram       prompt-lookup matches (ngram.py)
                       default: all three; "ngram" alone is the same proposer with the compressed copy never
                       used (the connector then fetches no compressed copy for it: a fair n-gram baseline)
-VERICACHE_DRAFT_VIEW  the view self-drafts attend to (view.ViewPolicy: "sink=1,selected=4,recent=1", or "off")
+VERICACHE_DRAFT_VIEW  the view self-drafts attend to (view.ViewPolicy: "sink=1,selected=4,recent=1,max_share=0.25",
+                      or "off"); a row drafts on its view only where it holds at most max_share of its blocks
 VERICACHE_DRAFT_WEIGHTS  "model" (vLLM's own modules) or "bfloat16" (proposer.draft_weights)
 """
 

@@ -32,7 +32,8 @@ SOURCES = ("predraft", "compressed", "ngram")  # where the proposer got a draft
 
 def new_stats() -> dict[str, int]:
     """The proposer's counters: proposals, pre-drafts started / tokens pre-drafted / branches / proposals
-    from them, n-gram proposals, tokens drafted after the load, rows paced off, seeded or switched off."""
+    from them, n-gram proposals, tokens drafted after the load, rows paced off, rows whose view would hold
+    most of their KV (view.ViewPolicy.max_share), seeded or switched off."""
     return dict.fromkeys(
         (
             "proposals",
@@ -43,6 +44,7 @@ def new_stats() -> dict[str, int]:
             "ngram",
             "drafted",
             "paced_off",
+            "view_too_short",
             "seeded",
             "switched_off",
         ),

@@ -239,7 +239,10 @@ class CompressedKVProposer:
                 self.acceptance.ngram_last[i] = (len(row), list(out[i]), n)
                 self.stats["ngram"] += 1
             elif rid is not None:  # self-drafts on a view of the request's own KV: sized together below
-                to_view.append((i, row, min(room, view.room(i, len(row))), rid))
+                if view.policy.small_enough(len(row), view.state.block_size):
+                    to_view.append((i, row, min(room, view.room(i, len(row))), rid))
+                else:  # the view would hold most of the row's KV: a draft step would cost about vLLM's step
+                    self.stats["view_too_short"] += 1
             elif group is not None and self.caches.draft is not None and "compressed" in sources:  # if they pay
                 x = min(self.pacer.horizon(group.estimate, room, batch), group.capacity - (len(row) - group.prefix_len))
                 if x > 0:
