@@ -207,9 +207,9 @@ def test_every_configuration_is_exact_under_a_served_load(model_dir, prompts, lo
     """Issues 38 and 52: as vLLM is served, prefix caching on and sixteen requests at once on two long documents
     (2,048 tokens, eight questions each): the connector alone, with our proposer (drafting on views of each
     request's own KV; n-gram matches only; its bfloat16 draft weights: test_vllm_families.py) and with vLLM's
-    n-gram proposer answer every request as plain vLLM does. A writer server stores the documents; each measured server starts
-    with vLLM's cache cold behind an emulated 64 MB/s link (loads of ~1.5 s: the planner's probe, twins waiting for
-    one load, pre-drafts on the compressed copy)."""
+    n-gram proposer answer every request as plain vLLM does. A writer server stores the documents; each measured
+    server starts with vLLM's cache cold behind an emulated 64 MB/s link (loads of ~1.5 s: the planner's probe,
+    twins waiting for one load, pre-drafts on the compressed copy)."""
     load, want = served_load(prompts, long_docs), reference[2]
     store = f"local://{tmp_path}/kv"
     common = dict(

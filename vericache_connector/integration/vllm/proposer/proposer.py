@@ -239,7 +239,7 @@ class CompressedKVProposer:
                 self.acceptance.ngram_last[i] = (len(row), list(out[i]), n)
                 self.stats["ngram"] += 1
             elif rid is not None:  # self-drafts on a view of the request's own KV: sized together below
-                if view.policy.small_enough(len(row), view.state.block_size):
+                if view.small_enough(len(row)):
                     to_view.append((i, row, min(room, view.room(i, len(row))), rid))
                 else:  # the view would hold most of the row's KV: a draft step would cost about vLLM's step
                     self.stats["view_too_short"] += 1

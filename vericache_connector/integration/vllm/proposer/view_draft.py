@@ -39,6 +39,10 @@ class ViewDrafter:
         self.bounds = KeyBounds(layers.num_kv_heads, layers.head_dim)
         self.step_s: float | None = None  # the last draft's seconds per draft step (its preparation left out)
 
+    def small_enough(self, length: int) -> bool:
+        """A row of `length` tokens drafts on its view: the view is at most the policy's max_share of its blocks."""
+        return self.policy.small_enough(length, self.state.block_size)
+
     def room(self, index: int, length: int) -> int:
         """Drafts the row at batch index `index` with `length` tokens can make in its allocated slots."""
         return self.state.num_blocks([index])[0] * self.state.block_size - length + 1
