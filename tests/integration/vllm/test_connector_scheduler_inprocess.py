@@ -19,7 +19,7 @@ from vericache_connector.integration.vllm.connector.metadata import VeriCacheMet
 from vericache_connector.integration.vllm.connector.stats import VeriCacheStats  # noqa: E402
 
 from connector_inprocess import PROMPT, STORED, drained, seed_prefix, vllm_config, worker  # noqa: E402
-from stores import break_manifest, closed_port  # noqa: E402
+from stores import SilentServer, break_manifest, closed_port  # noqa: E402
 from vllm_unit import BLOCK_SIZE, create_request, create_scheduler, create_vllm_config, runner_output  # noqa: E402
 
 
@@ -350,3 +350,61 @@ def test_short_prompt_is_neither_looked_up_nor_saved(model_dir, store_url):
     sched.add_request(req)
     meta = sched.schedule().kv_connector_metadata
     assert not meta.loads and not meta.saves
+
+
+def test_a_stalled_store_never_stops_the_scheduler(model_dir, monkeypatch):
+    """Issue 54 (1): a store that accepts connections and never answers. A request already decoding is scheduled
+    every step while four new requests' lookups run (no step waits more than a few LOOKUP_WAIT_S); after
+    timeout_s they are computed, the store is marked down (one log line, counted), and while it is down a new
+    request is computed at once without asking the store, nothing is saved; after the breaker's window the store
+    is asked again."""
+    from vericache_connector.integration.vllm.connector import breaker as brk
+
+    warned = []
+    monkeypatch.setattr(brk.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    silent = SilentServer()
+    try:
+        sched = create_scheduler(vllm_config(model_dir, f"redis://127.0.0.1:{silent.port}/0", timeout_s=1.0))
+        conn = sched.connector.scheduler
+        counted = []  # what the scheduler half counts (vLLM drains its stats every step)
+        real_count = conn.stats.count
+        monkeypatch.setattr(conn.stats, "count", lambda *a, **k: counted.append(a) or real_count(*a, **k))
+        running = create_request(list(range(100, 160)), max_tokens=10_000)  # under a chunk: never looked up
+        sched.add_request(running)
+        sched.update_from_output(sched.schedule(), runner_output([running]))
+        new = [create_request(PROMPT[:STORED] + [9000 + i] * 40) for i in range(4)]
+        for r in new:
+            sched.add_request(r)
+        t0, steps, slowest = time.monotonic(), 0, 0.0
+        while not all(r.request_id in sched.requests and r.num_computed_tokens for r in new):
+            s0 = time.monotonic()
+            so = sched.schedule()
+            slowest = max(slowest, time.monotonic() - s0)
+            assert running.request_id in so.num_scheduled_tokens  # decoding on, every step
+            assert not so.kv_connector_metadata.saves  # nothing saved to a stalled store
+            sched.update_from_output(
+                so, runner_output([r for r in [running, *new] if r.request_id in so.num_scheduled_tokens])
+            )
+            steps += 1
+            assert time.monotonic() - t0 < 10, "the new requests were never scheduled"
+            time.sleep(0.01)
+        assert slowest < 0.5 and steps > 10, (slowest, steps)
+        assert 1.0 <= time.monotonic() - t0 < 5.0  # each lookup given timeout_s, then computed
+        assert conn.breaker.is_down() and len([w for w in warned if "marked down" in w]) == 1, warned
+        asked = []
+        real_submit = conn.client.submit
+        monkeypatch.setattr(conn.client, "submit", lambda coro: asked.append(coro) or real_submit(coro))
+        late = create_request(PROMPT[:STORED] + [8000] * 40)
+        sched.add_request(late)
+        s0 = time.monotonic()
+        so = sched.schedule()
+        assert time.monotonic() - s0 < 0.5 and so.num_scheduled_tokens[late.request_id] == STORED + 40
+        assert not asked and not so.kv_connector_metadata.saves  # the store is not asked while marked down
+        # one lookup timed out and marked the store down; the three others and the late one were skipped
+        assert counted.count(("store_marked_down",)) == 1 and counted.count(("lookups_skipped",)) == 4
+        conn.breaker.down_until = time.monotonic() - 1  # the window is over: the next request asks again
+        sched.add_request(create_request(PROMPT[:STORED] + [7000] * 40))
+        sched.schedule()
+        assert asked
+    finally:
+        silent.close()

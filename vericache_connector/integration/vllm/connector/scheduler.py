@@ -10,7 +10,9 @@ prefix another request is loading or computing right now waits for it (None: vLL
 and then finds it in vLLM's own cache: the link never carries the same prefix twice at once. When a load fails (the worker reports its blocks), vLLM's recompute policy either asks us
 again (nothing valid was loaded) or schedules it with fewer computed tokens than we loaded (a local
 prefix-cache hit before the loaded part stays valid): either way the prompt is computed here and its
-stored copy rewritten (overwrite). A store that is down or slow is a miss, never a failed request.
+stored copy rewritten (what the failed load found broken). A store that is down or slow is a miss, never a
+failed request, and never stops vLLM's scheduler: lookups run on the store loop (breaker.py; a store that fails
+one is marked down for a while: no lookups, no saves).
 A request whose kv_transfer_params say {"vericache": "off"} neither loads nor saves: it recomputes its prompt
 (benchmarks/disaggregated.py's recompute baseline, on the same server as its full-copy fetch).
 A prefix saved or loaded lately is not saved again: with vLLM's prefix cache on, a repeated prompt (a
@@ -33,6 +35,7 @@ from storage_backends import stored_prefix_len
 
 from ....store.client import StoreClient
 from ..handoff import row_key
+from .breaker import LOOKUP_WAIT_S, Lookup, StoreBreaker
 from .config import ConnectorSpec
 from .load_plan import PROBE_WAIT_S, LoadPlanner
 from .metadata import LoadSpec, SaveSpec, VeriCacheMetadata, VeriCacheWorkerMeta
@@ -114,6 +117,7 @@ class _Request:
     loaded: int | None = None  # tokens loaded (a loaded request is not saved)
     repair: bool = False  # its load failed, or its stored copy is broken: save (overwrite) after computing
     told: bool = False  # seeded sampled: named to the worker (the proposer offers it no drafts)
+    asking: Lookup | None = None  # its lookup, in flight on the store loop (breaker.py)
 
 
 class VeriCacheConnectorScheduler:
@@ -129,6 +133,7 @@ class VeriCacheConnectorScheduler:
         self._recent: OrderedDict[tuple[int, int], tuple[str, float]] = OrderedDict()  # (loaded | saved, when)
         self._seeded: list[tuple[int, int]] = []  # seeded sampled requests not told to the worker yet
         self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
+        self.breaker = StoreBreaker(spec.cfg.url)  # a store that failed a lookup is not asked for a while
 
     def _request(self, rid: str) -> _Request:
         """`rid`'s record, made when vLLM first asks about it (request_finished drops it)."""
@@ -169,15 +174,9 @@ class VeriCacheConnectorScheduler:
         if req.loaded is not None:  # asked again: its load failed; compute, then rewrite
             req.loaded, req.repair = None, True
             return 0, False
-        try:
-            found = self.client.call(self.client.store.lookup(prompt[:stored]))
-        except Exception as e:  # down or slow: a miss (recompute), never a failed request
-            self.stats.lookup(request.request_id, e)
-            logger.warning(
-                "store lookup failed for %s (%s: %s): computing the prompt", request.request_id, type(e).__name__, e
-            )
-            return 0, False
-        self.stats.lookup(request.request_id, found, self.client, prompt[:stored], self.compressor.spec)
+        found = self._lookup(request.request_id, req, prompt[:stored])
+        if found is None:
+            return None, False  # the store has not answered yet: vLLM asks again next step
         if found < stored and self._should_hold(prompt[:stored]):  # loaded or saved here, now (partly) gone:
             logger.info(  # corrupt (a miss, logged by the store) or evicted: computed here, then rewritten
                 "stored prefix of %s holds %d of %d tokens now: computing it and rewriting the copy",
@@ -191,6 +190,37 @@ class VeriCacheConnectorScheduler:
         if found <= num_computed_tokens:
             return 0, False
         return self._decide(request, req, prompt, num_computed_tokens, found)
+
+    def _lookup(self, rid: str, req: _Request, prefix: list[int]) -> int | None:
+        """Tokens of `prefix` the store holds (whole chunks), 0 where it failed or is marked down, None while its
+        lookup runs: vLLM's scheduler never waits on the store for more than LOOKUP_WAIT_S (breaker.py)."""
+        if self.breaker.is_down():
+            if req.asking is not None:
+                req.asking, _ = None, req.asking.cancel()
+            self.stats.count("lookups_skipped")
+            return 0
+        try:
+            if req.asking is None:
+                req.asking = Lookup(self.client.submit(self.client.store.lookup(prefix)))
+                found = req.asking.result(LOOKUP_WAIT_S, self.cfg.timeout_s)
+            else:
+                found = req.asking.result(0.0, self.cfg.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the client is closed: the store is gone
+            found = e
+        if found is None:
+            return None
+        req.asking = None
+        if isinstance(found, BaseException):  # down or slow: a miss (recompute), never a failed request
+            self.stats.lookup(rid, found)
+            if self.breaker.failed(found):
+                self.stats.count("store_marked_down")
+            logger.warning(
+                "store lookup failed for %s (%s: %s): computing the prompt", rid, type(found).__name__, found
+            )
+            return 0
+        self.breaker.answered()
+        self.stats.lookup(rid, found, self.client, prefix, self.compressor.spec)
+        return found
 
     def _decide(self, request, req: _Request, prompt: list[int], computed: int, found: int) -> tuple[int | None, bool]:
         rid = request.request_id
@@ -262,6 +292,7 @@ class VeriCacheConnectorScheduler:
         stored = self.stored_len(prompt)
         if (
             stored > 0
+            and not self.breaker.is_down()  # a save would wait out the stalled store: the next request saves it
             and req.pending is None
             and req.loaded is None
             and (req.repair or not self._seen(prompt[:stored]))
@@ -340,7 +371,9 @@ class VeriCacheConnectorScheduler:
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._requests.pop(rid, None)
+        req = self._requests.pop(rid, None)
+        if req is not None and req.asking is not None:
+            req.asking.cancel()
         self._release(rid)
         self.planner.forget(rid)
         self.stats.forget(rid)

@@ -120,6 +120,12 @@ SERIES: dict[str, Series] = {
         _all(OPS),
         "Store operations that failed for the store's sake (down, timed out, a failed write), by operation.",
     ),
+    "store_marked_down": Series(
+        "counter", (), ((),), "Times a lookup failed or timed out and the store was marked down (breaker.py)."
+    ),
+    "lookups_skipped": Series(
+        "counter", (), ((),), "Requests not looked up because the store was marked down (computed at once)."
+    ),
 }
 
 _FOREIGN = re.compile(r"manifest .* is for \S+, not \S+")  # DualCopyStore._parse: another model's manifest
