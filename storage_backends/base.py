@@ -16,7 +16,10 @@ logger = logging.getLogger("vericache.store")
 
 
 class StoreError(Exception):
-    """Base class of every storage error; the engine falls back to recomputation."""
+    """Base class of every storage error; the engine falls back to recomputation. `chunk_start`: the first token
+    of the full-copy chunk a read found missing or broken, where it is known (a repair rewrites that chunk)."""
+
+    chunk_start: int | None = None
 
 
 class StoreUnavailable(StoreError):

@@ -30,8 +30,9 @@ prefix from its end; ``put_prefix`` touches what it wrote the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Collection, Mapping, Sequence
 
 import torch
 
@@ -130,12 +131,14 @@ class DualCopyStore:
         *,
         token_dim: int = 1,
         overwrite: bool = False,
+        rewrite: Collection[int] = (),
     ) -> PutResult:
         """Store the full copy and/or compressed copies of the prefix token_ids.
 
         full_layers: one {"k": [H, T, D], "v": [H, T, D], ...} per layer for the
           whole prefix (T = len(token_ids) on ``token_dim``); split into chunks.
-          Chunks already stored are skipped unless overwrite.
+          Chunks already stored are skipped unless overwrite, or their first token is in
+          `rewrite` (a repair: the chunks a read found broken, StoreError.chunk_start).
         compressed: {spec: (meta, layers)}, one layered payload per spec for the
           whole prefix. Full chunks are written before compressed copies, so a
           visible compressed copy implies a complete full copy.
@@ -146,7 +149,7 @@ class DualCopyStore:
         n = chunks[-1].end
         result = PutResult(chunks[-1].base, n)
         if full_layers is not None:
-            written = await self._put_full(chunks, full_layers, token_dim, overwrite, result)
+            written = await self._put_full(chunks, full_layers, token_dim, overwrite, result, set(rewrite))
         for spec, value in (compressed or {}).items():
             check_spec(spec)
             if spec == FULL:
@@ -161,7 +164,13 @@ class DualCopyStore:
         return result
 
     async def _put_full(
-        self, chunks: list[ChunkKey], layers: Layers, token_dim: int, overwrite: bool, result: PutResult
+        self,
+        chunks: list[ChunkKey],
+        layers: Layers,
+        token_dim: int,
+        overwrite: bool,
+        result: PutResult,
+        rewrite: set[int] = frozenset(),
     ) -> list[Manifest]:
         """Writes the chunks not stored yet; returns the manifests of every chunk it wrote or found."""
         n = chunks[-1].end
@@ -179,6 +188,7 @@ class DualCopyStore:
         present = [None] * len(chunks)
         if not overwrite:
             present = await self._full_present(chunks)
+            present = [None if c.start in rewrite else p for c, p in zip(chunks, present)]
         todo = [c for c, p in zip(chunks, present) if not p]
         found = {c.start: p for c, p in zip(chunks, present) if isinstance(p, Manifest)}
         result.full_chunks_present = len(chunks) - len(todo)
@@ -451,18 +461,19 @@ class DualCopyStore:
         raws = await self.backend.get_many(keys)
         manifests = []
         for c, key, raw in zip(chunks, keys, raws):
-            if raw is None:
-                raise MissingObject(
-                    f"full copy of tokens [{c.start}, {c.end}) is not stored "
-                    f"({self.keys.model_name}/{self.keys.dtype_name}, key {key!r})"
-                )
-            m = self._check_full(c, key, raw)
-            if manifests and len(m.layers) != len(manifests[0].layers):
-                raise CorruptObject(
-                    f"manifest {key!r} has {len(m.layers)} layers, chunk 0 has {len(manifests[0].layers)}"
-                )
-            if manifests and m.meta.get("token_dim") != manifests[0].meta.get("token_dim"):
-                raise CorruptObject(f"manifest {key!r}: token_dim differs from chunk 0's")
+            with _about(c.start):
+                if raw is None:
+                    raise MissingObject(
+                        f"full copy of tokens [{c.start}, {c.end}) is not stored "
+                        f"({self.keys.model_name}/{self.keys.dtype_name}, key {key!r})"
+                    )
+                m = self._check_full(c, key, raw)
+                if manifests and len(m.layers) != len(manifests[0].layers):
+                    raise CorruptObject(
+                        f"manifest {key!r} has {len(m.layers)} layers, chunk 0 has {len(manifests[0].layers)}"
+                    )
+                if manifests and m.meta.get("token_dim") != manifests[0].meta.get("token_dim"):
+                    raise CorruptObject(f"manifest {key!r}: token_dim differs from chunk 0's")
             manifests.append(m)
         return manifests
 
@@ -493,11 +504,24 @@ class DualCopyStore:
 
     async def _fetch_layer(self, m: Manifest, layer_idx: int) -> bytes:
         e = m.layers[layer_idx]
-        return m.verify_layer(layer_idx, await self.backend.get_range(m.payload_key, e.offset, e.end), self._mac)
+        blob = await self.backend.get_range(m.payload_key, e.offset, e.end)
+        with _about(m.start_token):
+            return m.verify_layer(layer_idx, blob, self._mac)
 
     async def get_full(self, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """All layers of the full copy at once: [(k, v), ...]."""
         return [(k, v) async for _, k, v in self.stream_full(token_ids)]
+
+
+@contextlib.contextmanager
+def _about(chunk_start: int):
+    """A CorruptObject / MissingObject raised inside is about the full-copy chunk starting at chunk_start."""
+    try:
+        yield
+    except (CorruptObject, MissingObject) as e:
+        if e.chunk_start is None:
+            e.chunk_start = chunk_start
+        raise
 
 
 @dataclass(frozen=True)

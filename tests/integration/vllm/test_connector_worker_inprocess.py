@@ -398,3 +398,45 @@ def test_a_load_beside_running_requests_streams_the_full_copy(model_dir, store_u
 def test_split16_refuses_a_kv_cache_that_is_not_float32(model_dir, store_url):
     with pytest.raises(ValueError, match="splits float32 KV"):
         worker(model_dir, store_url, proposer=True, compressor="split16", dtype=torch.bfloat16)
+
+
+def test_a_repair_rewrites_only_what_the_failed_load_found_broken(model_dir, store_url, monkeypatch):
+    """Issue 54 (6): after a load failed, vLLM recomputes the prefix and the connector saves it again
+    (overwrite). A load that failed because the store stalled found nothing broken: its repair writes no full
+    chunk; one that found chunk 1 corrupt rewrites that chunk alone; the prefix then loads whole again."""
+    from storage_backends import StoreUnavailable
+
+    conn, views = worker(model_dir, store_url)
+    store = conn.worker.client.store
+    kv_bytes = STORED * LAYERS * 2 * HEADS * DIM * 4
+    chunk_bytes = kv_bytes // (STORED // 256)
+
+    def save(rid: str, overwrite: bool) -> float:
+        """Full-copy bytes the save of the prefix from blocks 0-3 wrote."""
+        conn.bind_connector_metadata(VeriCacheMetadata(saves=[SaveSpec(rid, PROMPT[:STORED], [0, 1, 2, 3], overwrite)]))
+        conn.wait_for_save()
+        conn.clear_connector_metadata()
+        return drained(conn.get_kv_connector_stats, lambda s: s.get("saves")).get("bytes_written", "full")
+
+    try:
+        for (kview, vview), layer in zip(views, random_kv(LAYERS, HEADS, STORED, DIM, torch.float32, seed=5)):
+            scatter_tokens(kview, torch.tensor([0, 1, 2, 3]), layer["k"])
+            scatter_tokens(vview, torch.tensor([0, 1, 2, 3]), layer["v"])
+        assert save("a", False) >= kv_bytes
+        real = store.stream_full
+
+        async def stalled(*args, **kwargs):
+            raise StoreUnavailable("redis: Timeout reading from 127.0.0.1")
+            yield  # an async generator, as stream_full is
+
+        monkeypatch.setattr(store, "stream_full", stalled)
+        assert load(conn, "b", [4, 5, 6, 7]) == {"b"} and conn.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+        monkeypatch.setattr(store, "stream_full", real)  # the stall is over
+        assert save("b", True) == 0  # the stored copy was intact: nothing rewritten
+        asyncio.run(corrupt_full_chunk(store_url, store_model(), PROMPT[:STORED], 1, torch.float32))
+        assert load(conn, "c", [4, 5, 6, 7]) == {"c"} and conn.get_block_ids_with_load_errors()
+        assert chunk_bytes <= save("c", True) < 2 * chunk_bytes  # the corrupt chunk alone
+        assert load(conn, "d", [4, 5, 6, 7]) == {"d"} and not conn.get_block_ids_with_load_errors()
+        assert_same_kv(views, [0, 1, 2, 3], [4, 5, 6, 7])
+    finally:
+        conn.shutdown()

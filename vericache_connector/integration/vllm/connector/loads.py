@@ -53,7 +53,8 @@ class LoadContext:
     meter: LinkMeter  # what the loads move, reported to the scheduler side each step
     stats: StatsRecorder
     load_ended: Callable[[str], None]  # a load is over (loaded or failed): get_finished reports its request
-    load_failed: Callable[[list[int]], None]  # blocks vLLM recomputes (get_block_ids_with_load_errors)
+    # a load failed: the blocks vLLM recomputes (get_block_ids_with_load_errors), its request and the error
+    load_failed: Callable[[list[int], str, BaseException], None]
     views: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, register_kv_caches
     compressed_s_per_token: float | None = None  # a compressed copy's measured fetch time per token
 
@@ -143,7 +144,7 @@ class FullCopyLoad:
                 e,
                 len(job.ids),
             )
-            ctx.load_failed(job.blocks)
+            ctx.load_failed(job.blocks, spec.req_id, e)
         finally:
             ctx.meter.end()
             job.loaded.set()
@@ -265,7 +266,7 @@ class CompressedOnlyLoad:
                 e,
                 len(job.ids),
             )
-            ctx.load_failed(job.blocks)
+            ctx.load_failed(job.blocks, spec.req_id, e)
         finally:
             ctx.load_ended(spec.req_id)
 

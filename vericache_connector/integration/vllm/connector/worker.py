@@ -18,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 from vllm.logger import init_logger
+
+from storage_backends import StoreError, StoreUnavailable
 
 from ....compressors import PrefixKV
 from ....compressors.split16 import Split16Compressor
@@ -40,6 +43,18 @@ SAVE_TIMEOUT_S = 30.0  # a whole prefix written (at least the store timeout)
 # answers: vLLM repeats such steps back to back, and each one takes the worker's GIL and a core from the load
 # and the pre-draft. A load that ends wakes it at once; a request that arrives meanwhile waits at most this.
 IDLE_WAIT_S = 0.02
+MAX_REPAIRS = 1024  # failed loads whose repair save is still to come (one that never comes is forgotten)
+TRANSIENT = (StoreUnavailable, TimeoutError, ConnectionError, asyncio.CancelledError)  # the store's, not the data's
+
+
+def broken_chunks(error: BaseException) -> set[int] | None:
+    """What a failed load found broken in the store: the first tokens of the full-copy chunks to rewrite (none
+    after a stall or a dropped link: the stored copy is intact), or None where it cannot say (rewrite it all)."""
+    if isinstance(error, TRANSIENT):
+        return set()
+    if isinstance(error, StoreError) and error.chunk_start is not None:
+        return {error.chunk_start}
+    return None
 
 
 def load_strategy(spec: ConnectorSpec, ctx: LoadContext) -> LoadStrategy:
@@ -71,6 +86,7 @@ class VeriCacheConnectorWorker:
         self._loading = 0  # loads in flight
         self._idle_step = False  # the step being run has no forward (its metadata says)
         self._failed_blocks: set[int] = set()
+        self._broken: OrderedDict[str, set[int] | None] = OrderedDict()  # req_id -> what its failed load found
         self.meter = LinkMeter()  # what the loads move, reported to the scheduler side each step
         self._forward_t0: float | None = None  # this step's forward started (reported with the link's progress)
         self.stats = StatsRecorder()  # get_kv_connector_stats (stats.py)
@@ -138,10 +154,14 @@ class VeriCacheConnectorWorker:
             self._loading -= 1
             self._lock.notify_all()
 
-    def _load_failed(self, block_ids: list[int]) -> None:
-        """A load failed: get_block_ids_with_load_errors reports its blocks, and vLLM recomputes them."""
+    def _load_failed(self, block_ids: list[int], req_id: str, error: BaseException) -> None:
+        """A load failed: get_block_ids_with_load_errors reports its blocks, and vLLM recomputes them; the
+        request's repair save rewrites what the load found broken (broken_chunks), nothing more."""
         with self._lock:
             self._failed_blocks.update(block_ids)
+            self._broken[req_id] = broken_chunks(error)
+            while len(self._broken) > MAX_REPAIRS:
+                self._broken.popitem(last=False)
 
     def take_stats(self):
         self.stats.proposer(self.handoff.drafter if self.handoff is not None else None)
@@ -192,9 +212,15 @@ class VeriCacheConnectorWorker:
             self.handoff.post(spec.prefix, comp)
         layers = [{"k": k, "v": v} for k, v in zip(keys, values)]
         copies = {c.spec: c.to_payload() for c in (comp, *rest)}
+        # a repair rewrites what its failed load found broken (all of it where that is unknown); after a lookup
+        # found chunks gone, the chunks whose manifests are missing or corrupt (put_prefix checks them)
+        with self._lock:
+            broken = self._broken.pop(spec.req_id, set()) if spec.overwrite else set()
         try:
             res = self.client.call(
-                self.client.store.put_prefix(spec.prefix, layers, copies, overwrite=spec.overwrite),
+                self.client.store.put_prefix(
+                    spec.prefix, layers, copies, overwrite=broken is None, rewrite=broken or ()
+                ),
                 timeout=max(SAVE_TIMEOUT_S, self.cfg.timeout_s),
             )
             self.stats.saved(res)
