@@ -83,6 +83,23 @@ def url_secrets(url) -> list[str]:
     return sorted({s for s in (secret, unquote(secret), quote(secret, safe="")) if s}, key=len, reverse=True)
 
 
+def has_password(url) -> bool:
+    """Whether the URL carries a password (user info with one, or a credential-like query option)."""
+    if not isinstance(url, str):
+        return False
+    _, userinfo, _ = _split_userinfo(url)
+    return bool(userinfo and userinfo.partition(":")[2]) or _SECRET_OPTION.search(url) is not None
+
+
+def with_password(url: str, password: str) -> str:
+    """The URL with `password` (percent-encoded) as its user info's password: 'redis://h:6379/0' ->
+    'redis://:pw@h:6379/0', 'redis://app@h/0' -> 'redis://app:pw@h/0'. ValueError where it has one already."""
+    if has_password(url):
+        raise ValueError(f"store URL {redact_url(url)} has a password already: give it one way, not two")
+    prefix, userinfo, rest = _split_userinfo(url)
+    return f"{prefix}{userinfo or ''}:{quote(password, safe='')}@{rest}"
+
+
 def redact_text(text: str, url) -> str:
     """text with every occurrence of url's secret (and of url itself) masked: for messages that
     client libraries build, which we do not control."""

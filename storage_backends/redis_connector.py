@@ -92,7 +92,7 @@ class RedisBackend(StorageBackend):
 
     async def _call(self, what: str, make_coro):
         from redis.exceptions import ConnectionError as RConnError
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
         from redis.exceptions import TimeoutError as RTimeout
 
         client = self._redis()
@@ -102,7 +102,7 @@ class RedisBackend(StorageBackend):
             msg = f"{self.url}: {what} failed: {type(e).__name__}: {redact_text(e, self._secret_url)}"
             logger.warning("redis %s", msg)
             raise StoreUnavailable(msg) from e
-        except RedisError as e:  # OOM, READONLY, other server replies: still a store error
+        except (RedisError, RedisClusterException) as e:  # OOM, READONLY, not a cluster, other replies: a store error
             msg = f"{self.url}: {what} refused: {type(e).__name__}: {redact_text(e, self._secret_url)}"
             logger.warning("redis %s", msg)
             raise StoreError(msg) from e

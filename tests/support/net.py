@@ -48,7 +48,8 @@ class TcpProxy:
     """A relay from a free port of 127.0.0.1 (.port) to host:port, one thread per direction of a connection.
     close() drops every connection mid-transfer (a store gone); delay_s: each chunk of an answer (upstream to
     client) waits this long first; cut_sse_after: a connection closes once its answer carried this many bytes
-    after its first `data: ` (a streamed completion dies mid-stream; other answers pass whole). bytes_relayed
+    after its first `data: ` (a streamed completion dies mid-stream; other answers pass whole). pause(): nothing is
+    relayed until resume() (a stalled store: connections are accepted, nothing is answered). bytes_relayed
     counts both directions, cuts the connections cut. `with TcpProxy(...) as port:` closes it at the end."""
 
     def __init__(self, host: str, port: int, delay_s: float = 0.0, cut_sse_after: int | None = None):
@@ -63,6 +64,8 @@ class TcpProxy:
         self.closed = False
         self.bytes_relayed = 0
         self.cuts = 0
+        self.running = threading.Event()  # cleared: paused
+        self.running.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def __enter__(self) -> int:
@@ -104,6 +107,8 @@ class TcpProxy:
                     if sent is not None and sent > self.cut:
                         self.cuts += 1
                         break
+                while not self.running.wait(0.1) and not self.closed:
+                    pass  # paused: held until resume()
                 self.bytes_relayed += len(data)
                 dst.sendall(data)
         except OSError:
@@ -115,8 +120,15 @@ class TcpProxy:
                 except OSError:
                     pass
 
+    def pause(self) -> None:
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
+
     def close(self) -> None:
         self.closed = True
+        self.running.set()
         for s in [self.sock, *self.conns]:
             try:
                 s.shutdown(socket.SHUT_RDWR)

@@ -50,14 +50,16 @@ def has_module(name: str) -> bool:
 
 # ---------------------------------------------------------------- fault helpers
 class RedisProcess:
-    """A private redis-server on a free loopback port, killable by its PID."""
+    """A private redis-server on a free loopback port, killable by its PID (with `password`: it asks for it; .url
+    has none)."""
 
-    def __init__(self, tmpdir: str):
+    def __init__(self, tmpdir: str, password: str | None = None):
         exe = shutil.which("redis-server")
         need(exe is not None, "redis-server binary is not installed (apt-get install redis-server)")
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no", "--dir", tmpdir],
+            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no", "--dir", tmpdir]
+            + (["--requirepass", password] if password else []),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

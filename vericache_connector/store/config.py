@@ -7,6 +7,7 @@ The URL may carry a password (redis://:secret@host): errors and the repr show it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from storage_backends import redact_url
@@ -88,10 +89,11 @@ class RemoteCacheConfig:
         check_salt(self.cache_salt)
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be > 0 or None, got {self.bandwidth_bytes_per_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):  # NaN and inf too: never a silent "no store"
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s!r}")
+        bandwidth = self.bandwidth_bytes_per_s
+        if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"bandwidth_bytes_per_s must be a finite number > 0 or None, got {bandwidth!r}")
         if self.verifier is not None and not (
             isinstance(self.verifier, str) and self.verifier.split("://", 1)[0] in ("tcp", "http", "https")
         ):
@@ -99,8 +101,8 @@ class RemoteCacheConfig:
                 f"bad verifier URL {shown_url(self.verifier)}: expected tcp://HOST:PORT or http(s)://HOST:PORT"
             )
         for name in ("verifier_timeout_s", "verifier_load_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)!r}")
 
     def __repr__(self) -> str:
         shown = ", ".join(

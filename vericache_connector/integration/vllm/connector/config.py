@@ -218,10 +218,35 @@ def _resolve(
         if kind is str and not isinstance(value, str):
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be a string, got a {type(value).__name__}")
         fields[name] = kind(value)
+    fields["url"] = _store_url(fields["url"], extra.get("store"), env)
     cfg = RemoteCacheConfig(**fields)
     from ....compressors import get_compressor
 
     return cfg, get_compressor(cfg.compressor), role  # ValueError naming an unknown compressor
+
+
+PASSWORD_ENV = "VERICACHE_STORE_PASSWORD"  # or ..._FILE: the store's password, kept out of vLLM's arguments
+PASSWORD_SCHEMES = ("redis", "rediss", "redis+cluster", "redis+sentinel")
+
+
+def _store_url(url: str, given: Any, env: Mapping[str, str]) -> str:
+    """The store URL with $VERICACHE_STORE_PASSWORD(_FILE) as its password. A password inside
+    kv_connector_extra_config is refused: vLLM prints its arguments at start-up ("non-default args")."""
+    from storage_backends.credentials import has_password, secret_from_env, with_password
+
+    if given is not None and has_password(given):
+        raise ValueError(
+            "kv_connector_extra_config['store'] holds a password, which vLLM prints in its start-up log "
+            f"(non-default args): give the URL in ${ENV['store']} (a Kubernetes Secret), or the password in a "
+            f"file named by ${PASSWORD_ENV}_FILE (or in ${PASSWORD_ENV}), and change the password"
+        )
+    password = secret_from_env(PASSWORD_ENV, env, what="store password")
+    if password is None:
+        return url
+    scheme = url.split("://", 1)[0]
+    if scheme not in PASSWORD_SCHEMES:
+        raise ValueError(f"${PASSWORD_ENV} is set, but a {scheme}:// store takes no password (Redis does)")
+    return with_password(url, password.decode())
 
 
 def connector_role(extra: Mapping[str, Any] | str | None) -> str:
