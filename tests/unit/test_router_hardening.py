@@ -44,6 +44,8 @@ def run(coro):
         ("prompt", "\ud800 lone surrogate"),
         ("stream_options", {"include_usage": True}),  # vLLM: stream options need stream=true
         ("logit_bias", {"5": 100}),  # a field a drafted request never carries
+        ("cache_salt", "tenant-b"),  # issue 54 (2): a tenant's salt: never drafted from the shared store; the
+        # verifier's connector leaves it alone too (scheduler.unkeyed_input)
     ],
 )
 def test_what_the_router_cannot_read_exactly_goes_to_a_verifier_as_it_came(field, value):
@@ -58,6 +60,20 @@ def test_what_the_router_cannot_read_exactly_goes_to_a_verifier_as_it_came(field
     got, down = run(go())
     assert verifier.bodies == [{**body, "model": "fake-verifier"}]  # passed on whole: vLLM reads it
     assert drafter.streams == 0 and not verifier.calls and down == [0.0, 0.0]
+
+
+def test_a_lora_adapters_name_is_refused_never_drafted_on_base_model_kv():
+    """Issue 54 (2): the router serves its own model name only; another (a LoRA adapter's) is vLLM's 404, and no
+    drafter or verifier sees the request."""
+    verifier, drafter = Fake("verifier"), Fake("drafter")
+
+    async def go():
+        async with Stack([("v", verifier)], [("d", drafter)]) as st:
+            return await st.post({**BODY, "stream": False, "model": "adapter-a"})
+
+    got = run(go())
+    assert got["status"] == 404 and "adapter-a" in json.dumps(got)
+    assert not verifier.bodies and not verifier.calls and drafter.streams == 0
 
 
 def test_the_same_fields_read_exactly_are_drafted_for():
