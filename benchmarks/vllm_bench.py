@@ -32,9 +32,10 @@ output). Same-run ratios only; run it on an idle machine.
     python benchmarks/vllm_bench.py --workload long      # 6,400-token documents, 256 new tokens, c 1/8/16, --gbits 0 0.1
 
 --topology router (vllm_load/router.py): the same client and summary over N drafter-role servers + a verifier
-beside the store + `vericache router`, against the same N cores running connector replicas or plain vLLM
-replicas behind a prefix-aware proxy (issue 39's workload: --documents 4 --doc-tokens 1600 --questions 2
---new 32 --gbits 0.2, kivi4, the link scaled to Llama-3-8B's KV):
+beside the store + `vericache router`, against N + 1 connector replicas (one beside the store) or N + 1 plain
+vLLM replicas behind a prefix-aware proxy, every configuration on the same cores (each row's `cores`; its
+`paths`: requests drafted / direct / handed back; `accepted_per_verify_call`) (issue 39's workload:
+--documents 4 --doc-tokens 1600 --questions 2 --new 32 --gbits 0.2, kivi4, the link scaled to Llama-3-8B's KV):
 
     python benchmarks/vllm_bench.py --topology router --drafters 2 --concurrency 1 4 8 --gbits 0.2
 
@@ -81,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--spec-k", type=int, default=32, help="num_speculative_tokens of our proposer")
     p.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens of vLLM's n-gram proposer")
     p.add_argument("--topology", default="single", choices=list(TOPOLOGIES), help="one server, or the router's")
-    p.add_argument("--drafters", type=int, default=2, help="--topology router: drafter-role servers (and replicas)")
+    p.add_argument("--drafters", type=int, default=2, help="--topology router: drafter-role servers N (the alternatives: N + 1 replicas)")
     p.add_argument(
         "--verifier-decode-slots",
         type=int,

@@ -2,7 +2,7 @@
 
   workload   the named workloads (WORKLOADS) and the requests they send: documents, questions, a fixed shuffle
   configs    the configurations on one vLLM server each (CONFIGURATIONS), the run's Context, OpenMP, link scale
-  router     --topology router: drafter-role servers + a verifier + `vericache router`, against N replicas
+  router     --topology router: drafter-role servers + a verifier + `vericache router`, against N + 1 replicas on the same cores
   grid       the topologies' configurations by name (BY_NAME) and the plan of runs
   client     vLLM's benchmark client (vllm.benchmarks.serve): its command, its flags' check, what results.json keeps
   logs       the servers' logs: the connector's loads and decisions, vLLM's drafts, the router's paths; an excerpt

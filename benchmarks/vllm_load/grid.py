@@ -10,7 +10,7 @@ from benchmarks.vllm_load.router import TOPOLOGY
 
 TOPOLOGIES = {"single": CONFIGURATIONS, "router": TOPOLOGY}
 BY_NAME = {c.label: c for t in TOPOLOGIES.values() for c in t} | {c.slug: c for t in TOPOLOGIES.values() for c in t}
-REFERENCE = {"single": "plain vLLM", "router": "plain vLLM (N replicas)"}  # what every text is compared with
+REFERENCE = {"single": "plain vLLM", "router": "plain vLLM (N+1 replicas)"}  # what every text is compared with
 OURS = {"single": "connector + proposer", "router": "router"}
 PLAIN = "plain vLLM"
 

@@ -29,8 +29,8 @@ def row_line(s: dict) -> str:
             loads += " (" + ", ".join(f"{k} {v}" for k, v in other.items() if v) + ")"
     acc = s.get("accepted_drafted")
     acc = f"{acc[0]} / {acc[1]}" if acc and acc[1] else "-"
-    if s.get("router_paths") and s["configuration"] == "router":  # how the router served: drafts verified or not
-        acc = ", ".join(f"{k} {v}" for k, v in sorted(s["router_paths"].items()))
+    if s.get("paths") and s["configuration"] == "router":  # how the router served: drafted, direct, handed back
+        acc = ", ".join(f"{k} {v}" for k, v in s["paths"].items() if v) or "-"
         acc += f"; {fmt(s.get('accepted_per_verify_call'))} per verify call"
     return (
         f"| {link_name(s['gbits'])} | {s['concurrency']} | {s['configuration']} | {fmt(s['output_throughput'], '.1f')} "
@@ -113,7 +113,7 @@ def table(result: dict) -> str:
     out += [
         "",
         "x best alternative: output tokens/s / the highest of the alternatives (plain vLLM, connector, connector + "
-        "ngram; with --topology router their N replicas) at the same link and concurrency. identical: every generated text equals plain vLLM's at the same concurrency, "
+        "ngram; with --topology router their N + 1 replicas on the same cores) at the same link and concurrency. identical: every generated text equals plain vLLM's at the same concurrency, "
         "request by request (plain vLLM's own rows: against plain vLLM at the lowest concurrency). plain vLLM reads "
         "no store: its rows repeat under every link. load avg: the 1-minute load average when the row's client "
         "started. loads: the connector's store hits per run / their mean full-copy load time in s (its log), with "

@@ -1,20 +1,25 @@
-"""vllm_bench.py --topology router: prefixes shared across nodes, served three ways side by side.
+"""vllm_bench.py --topology router: prefixes shared across nodes, served three ways side by side on EQUAL
+compute (issue 53): each configuration runs N + 1 vLLM servers, one on the core beside the store and N on the
+node cores across the EMULATED slow link, and the same front process on the node cores.
 
-  router                   N drafter-role vLLM servers across the EMULATED slow link (compressed copies only)
-                           + one verifier vLLM server beside the store (its connector loads the full copy, no
-                           link limit) + `vericache router` in front: drafts verified, output exact; with
+  router                   N drafter-role vLLM servers across the link (compressed copies only) + one verifier
+                           vLLM server beside the store (its connector loads the full copy, no link limit) +
+                           `vericache router` in front: drafts verified, output exact; with
                            --verifier-decode-slots N > 0, up to N requests at a time decoded on the verifier
                            by itself (path direct, exact), N sized by the router up to
                            --max-verifier-decode-slots from what its requests measured
-  connector (N replicas)   the same N servers' cores running N plain connector servers over the same slow link
-                           (each loads full copies), behind `vericache router` with no drafters: a prefix-aware
-                           proxy (requests that share a prefix go to the same replica)
-  plain vLLM (N replicas)  N plain vLLM servers recomputing every prompt, behind the same proxy
+  connector (N+1 replicas) N + 1 connector servers: one beside the store (no link limit), N across the link
+                           (each loads full copies over it), behind `vericache router` with no drafters: a
+                           prefix-aware proxy (rendezvous hashing: requests that share a prefix go to the same
+                           replica, whose prefix cache then holds it)
+  plain vLLM (N+1 replicas) N + 1 plain vLLM servers recomputing every prompt, behind the same proxy
 
-Pinned as disaggregated.py --pin does: the verifier on the last core, every node server and the router on the
-others. Every server runs vLLM's prefix cache and --block-size 32. The slow link is EMULATED at Gbit/s scaled to
-a reference model's KV (--scale-to: our float32 KV is 45 KiB/token, Llama-3-8B's 128 KiB/token, so transfer
-times equal Llama-3-8B's over the stated link); compute is real and not scaled.
+Pinned as disaggregated.py --pin does: the server beside the store (verifier, replica 0) on the last core, the
+other servers and the front process on the others; every configuration gets the same cores (`cores` in each
+summary row, read back from the processes' affinity by a test). Every server runs vLLM's prefix cache and
+--block-size 32. The slow link is EMULATED at Gbit/s scaled to a reference model's KV (--scale-to: our float32
+KV is 45 KiB/token, Llama-3-8B's 128 KiB/token, so transfer times equal Llama-3-8B's over the stated link);
+compute is real and not scaled.
 """
 
 from __future__ import annotations
@@ -31,13 +36,22 @@ GUARD = "vericache_connector.vllm_router.RouterOnly"
 TOKEN = secrets.token_hex(16)  # the router token of this run (drafter-role servers answer only with it)
 
 
+BESIDE = ("verifier", "connector0", "plain0")  # the server of each configuration on the core beside the store
+
+
 def cores(ctx, role: str) -> list[int] | None:
+    """The cores of a server (`role`: its name; BESIDE: the last core) or of the front process ("node")."""
     from vericache_connector.demo import procs
 
     try:
-        return procs.pinned_cores("verifier" if role == "verifier" else "node")
+        return procs.pinned_cores("verifier" if role in BESIDE else "node")
     except ValueError:
         return None  # one core: nothing to pin
+
+
+def cores_of(ctx) -> dict[str, list[int] | None]:
+    """What a summary row says of its configuration's compute: the cores beside the store and across the link."""
+    return {"beside the store": cores(ctx, "verifier"), "across the link": cores(ctx, "node")}
 
 
 @dataclass(frozen=True)
@@ -57,8 +71,8 @@ class RouterTopology:
         a, n = ctx.args, ctx.args.drafters
         rate = link_bytes_per_s(ctx)
 
-        def server(role: str, **kw) -> ServerConfig:
-            pinned = cores(ctx, role)
+        def server(name: str, **kw) -> ServerConfig:
+            pinned = cores(ctx, name)
             env = {
                 "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, pinned)) if pinned else "nobind",
                 "OMP_NUM_THREADS": str(len(pinned)) if pinned else "1",
@@ -76,18 +90,21 @@ class RouterTopology:
             )
 
         if self.kind == "plain":
-            return {f"plain{i}": server("node") for i in range(n)}
-        if self.kind == "connector":
+            return {f"plain{i}": server(f"plain{i}") for i in range(n + 1)}
+        if self.kind == "connector":  # replica 0 beside the store: no link limit
             return {
                 f"connector{i}": server(
-                    "node", store=ctx.store_url, compressor=a.compressor, bandwidth_bytes_per_s=rate
+                    f"connector{i}",
+                    store=ctx.store_url,
+                    compressor=a.compressor,
+                    bandwidth_bytes_per_s=rate if i else None,
                 )
-                for i in range(n)
+                for i in range(n + 1)
             }
         out = {"verifier": server("verifier", store=ctx.store_url, compressor=a.compressor, middleware=[VERIFY])}
         for i in range(n):
             out[f"drafter{i}"] = server(
-                "node",
+                f"drafter{i}",
                 store=ctx.store_url,
                 compressor=a.compressor,
                 bandwidth_bytes_per_s=rate,
@@ -108,7 +125,7 @@ class RouterTopology:
         def start(name: str, cfg) -> None:
             srv = VLLMServer(cfg, log_path=str(ctx.log_path(name)))
             try:
-                with procs.affinity(cores(ctx, "verifier" if name == "verifier" else "node")):
+                with procs.affinity(cores(ctx, name)):
                     srv.__enter__()
                 started[name] = srv
             except BaseException as e:  # noqa: BLE001 - raised below, after every start ended
@@ -170,7 +187,7 @@ def wait_models(url: str, timeout_s: float = 120) -> None:
 
 
 TOPOLOGY = (
-    RouterTopology("plain vLLM (N replicas)", "plain-replicas", "plain", reads_store=False),
-    RouterTopology("connector (N replicas)", "connector-replicas", "connector"),
+    RouterTopology("plain vLLM (N+1 replicas)", "plain-replicas", "plain", reads_store=False),
+    RouterTopology("connector (N+1 replicas)", "connector-replicas", "connector"),
     RouterTopology("router", "router", "router", alternative=False),
 )

@@ -38,6 +38,10 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
         point = [t for t in summary if t["gbits"] == s["gbits"] and t["concurrency"] == s["concurrency"]]
         compare_point(s, point, ref_label, OURS[args.topology])
         s["drafters"] = args.drafters if args.topology == "router" else None
+        if args.topology == "router":  # every configuration the same cores (router.py)
+            from benchmarks.vllm_load.router import cores_of
+
+            s["cores"] = cores_of(None)
     keep_texts(runs, ref_label)
     return {
         "command": command,
@@ -87,6 +91,20 @@ def mean_by_key(dicts) -> dict[str, float] | None:
     return {k: round(statistics.fmean(v), 1) for k, v in sorted(keys.items(), key=lambda kv: int(kv[0]))} or None
 
 
+def served_paths(router_paths: dict[str, int], requests: int) -> dict[str, int]:
+    """The router's per-request paths (router/paths.py) as issue 53 counts them: drafted (verified), direct (a
+    verifier decoded it by itself: direct, plain, or passed on as it came, which the router does not log),
+    handed_back (started drafted, finished plainly on a verifier after a fault: fallback), alone (a drafter
+    computed and decoded it by itself, exact)."""
+    logged = sum(router_paths.values())
+    return {
+        "drafted": router_paths.get("verified", 0),
+        "direct": router_paths.get("direct", 0) + router_paths.get("plain", 0) + max(0, requests - logged),
+        "handed_back": router_paths.get("fallback", 0),
+        "alone": router_paths.get("alone", 0),
+    }
+
+
 def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     """One summary entry from the runs of one (configuration, link, concurrency), one per round."""
     done = [r for r in mine if r.get("metrics")]
@@ -116,6 +134,8 @@ def entry(label: str, gbits: float, concurrency: int, mine: list[dict]) -> dict:
     out["target_step_ms"] = mean_by_key(lg.get("target_step_ms") for lg in logs)
     out["draft_step_ms"] = mean_by_key(lg.get("draft_step_ms") for lg in logs)
     out["router_paths"] = summed(lg.get("router_paths") for lg in logs) or None  # verified / direct / alone ...
+    requests = sum((r.get("client") or {}).get("completed") or 0 for r in done)
+    out["paths"] = served_paths(out["router_paths"], requests) if out["router_paths"] else None
     calls = sum(lg.get("router_verify_calls", 0) for lg in logs)
     out["accepted_per_verify_call"] = sum(lg.get("router_accepted", 0) for lg in logs) / calls if calls else None
     return out

@@ -331,3 +331,72 @@ def test_the_connectors_load_lines_are_kept_without_vllms_prefix():
         "22:23:59 hit cmpl-0: 1792 tokens loaded (full after 6.57s)",
         "WARNING load of req-5 failed (TimeoutError: x): vLLM recomputes its 7 blocks",
     ]
+
+
+def test_every_router_topology_configuration_gets_the_same_cores(tmp_path, monkeypatch):
+    """Issue 53: the router and its alternatives on EQUAL compute. Each configuration's launch (the real code,
+    with stand-in processes for vLLM and the front process) starts N + 1 servers, one beside the store and N
+    across the link, and its front process; the cores each got are read back from the processes' affinity: the
+    same for every configuration, the server beside the store alone on its core."""
+    import argparse
+    import os
+    import subprocess
+    from contextlib import ExitStack
+
+    from benchmarks.kit import vllm_server
+    from benchmarks.vllm_load import router as topo
+    from vericache_connector.demo import procs
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pinning needs 2 cores")
+    got: dict[str, dict[str, frozenset[int]]] = {}  # configuration -> {process: its cores}
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+    class Server:  # VLLMServer's part launch() uses: started under procs.affinity, as vLLM's server is
+        def __init__(self, cfg, log_path: str):
+            self.cfg, self.name, self.url = cfg, log_path.rsplit("-", 1)[1][:-4], "http://127.0.0.1:1"
+
+        def __enter__(self):
+            self.proc = subprocess.Popen(sleeper)
+            got[current][self.name] = frozenset(os.sched_getaffinity(self.proc.pid))
+            return self
+
+        def __exit__(self, *exc):
+            self.proc.kill()
+            self.proc.wait()
+
+        def complete(self, *args, **kwargs):
+            return None
+
+    class Front(procs.Proc):
+        def __init__(self, name, argv, log_path, env, cores=None, program=None):
+            super().__init__(name, [], log_path, env, cores, program=sleeper)
+            got[current]["front"] = frozenset(os.sched_getaffinity(self.proc.pid))
+
+        def wait_ready(self, timeout_s: float = 600) -> str:
+            return "http://127.0.0.1:1"
+
+        def stop(self) -> None:
+            self.kill()
+
+    monkeypatch.setattr(vllm_server, "VLLMServer", Server)
+    monkeypatch.setattr(procs, "Proc", Front)
+    monkeypatch.setattr(topo, "wait_models", lambda url: None)
+    args = argparse.Namespace(
+        drafters=2, compressor="kivi4", kv_space_gib=1, verifier_decode_slots=0, max_verifier_decode_slots=None
+    )
+    args.scale_to = "none"
+    for config in topo.TOPOLOGY:
+        current = config.slug
+        got[current] = {}
+        ctx = configs.Context(args, "model", 2048, gbits=0.2, store_url="local://x", log_dir=tmp_path, name=current)
+        with ExitStack() as stack:
+            config.launch(stack, ctx)
+    usable = procs.usable_cores()
+    for slug, seen in got.items():
+        beside = [seen[n] for n in seen if n in topo.BESIDE]
+        across = {seen[n] for n in seen if n not in topo.BESIDE}
+        assert len(seen) == 2 + 2 and len(beside) == 1, (slug, seen)  # N + 1 servers and the front process
+        assert beside == [frozenset(usable[-1:])] and across == {frozenset(usable[:-1])}, (slug, seen)
+    assert summary.served_paths({"verified": 5, "direct": 2, "fallback": 1}, 10) == {
+        "drafted": 5, "direct": 4, "handed_back": 1, "alone": 0}  # fmt: skip
