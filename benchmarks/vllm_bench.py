@@ -82,7 +82,12 @@ def parse_args(argv=None):
     p.add_argument("--spec-k", type=int, default=32, help="num_speculative_tokens of our proposer")
     p.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens of vLLM's n-gram proposer")
     p.add_argument("--topology", default="single", choices=list(TOPOLOGIES), help="one server, or the router's")
-    p.add_argument("--drafters", type=int, default=2, help="--topology router: drafter-role servers N (the alternatives: N + 1 replicas)")
+    p.add_argument(
+        "--drafters",
+        type=int,
+        default=2,
+        help="--topology router: drafter-role servers N (the alternatives: N + 1 replicas)",
+    )
     p.add_argument(
         "--verifier-decode-slots",
         type=int,
