@@ -10,8 +10,9 @@ node cores across the EMULATED slow link, and the same front process on the node
                            --max-verifier-decode-slots from what its requests measured
   connector (N+1 replicas) N + 1 connector servers: one beside the store (no link limit), N across the link
                            (each loads full copies over it), behind `vericache router` with no drafters: a
-                           prefix-aware proxy (rendezvous hashing: requests that share a prefix go to the same
-                           replica, whose prefix cache then holds it)
+                           prefix-aware proxy (requests that share a prefix go to the replica that served it,
+                           whose prefix cache holds it; a new prefix to the replica beside the store, which
+                           loads it fastest, unless that one has more requests out than the least busy other)
   plain vLLM (N+1 replicas) N + 1 plain vLLM servers recomputing every prompt, behind the same proxy
 
 Pinned as disaggregated.py --pin does: the server beside the store (verifier, replica 0) on the last core, the
@@ -158,8 +159,9 @@ class RouterTopology:
     def router_argv(self, ctx, urls: dict[str, str]) -> list[str]:
         """`vericache router`'s command line in front of the servers (name: URL); the replicas behind it as its
         verifier pool, with no drafters (a prefix-aware proxy: --verifier-decode-slots applies to none)."""
-        if self.kind != "router":
-            return ["router", "--port", "0"] + [x for url in urls.values() for x in ("--verifier", url)]
+        if self.kind != "router":  # replica 0 beside the store: a new prefix prefers it (Pool.place)
+            near = [x for name, url in urls.items() if name in BESIDE for x in ("--near-verifier", url)]
+            return ["router", "--port", "0"] + [x for url in urls.values() for x in ("--verifier", url)] + near
         argv = ["router", "--port", "0", "--verifier", urls["verifier"]]
         argv += ["--verifier-decode-slots", str(ctx.args.verifier_decode_slots)]
         if ctx.args.max_verifier_decode_slots is not None:

@@ -67,3 +67,24 @@ def test_what_the_router_sees_of_its_pools():
         ),
         3,
     )
+
+
+def test_the_proxy_places_a_new_prefix_beside_the_store_unless_that_is_busier():
+    """Issue 53: requests passed on as they came (the replicas' prefix-aware proxy): a prefix stays on the server
+    that served it (its prefix cache holds it); a new one goes to the near server (beside the store: it loads a
+    stored prefix fastest) unless that has more passed-on requests out than the least busy other."""
+    pool = Pool.of(["http://n:1", "http://f:1", "http://g:1"], "verifier", 10.0)
+    near, *far = pool.servers
+    near.near = True
+    assert pool.place(1) is near
+    near.passed = 1
+    second = pool.place(2)
+    assert second in far  # the near one is busier than a free far one
+    second.passed = 1
+    assert pool.place(1) is near and pool.place(2) is second  # held where they went
+    other = next(s for s in far if s is not second)
+    other.passed = 1
+    assert pool.place(3) is near  # as busy as the least busy far one: beside the store wins
+    pool.fault(near)
+    assert pool.place(1) in far and pool.place(1) is pool.place(1)  # a server down hands its prefixes on, once
+    assert pool.place(4, avoid={s.url for s in pool.servers}) is None

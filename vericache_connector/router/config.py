@@ -52,6 +52,8 @@ def check_server_url(url: str, what: str) -> str:
 class RouterConfig:
     verifiers: list[str]  # vLLM servers with the connector beside the store (VerifyRoute middleware)
     drafters: list[str] = field(default_factory=list)  # drafter-role vLLM servers (none: plain decoding)
+    near_verifiers: list[str] = field(default_factory=list)  # verifiers beside the store (they load a stored
+    # prefix fastest): a request passed on as it came with a new prefix prefers one (upstream.Pool.place)
     served_model_name: str | None = None  # what clients name (default: the verifier's served name)
     tokenizer: str | None = None  # for the answers' text (default: the verifier's model path)
     verify_api: str = "route"  # route: POST /v1/vericache/verify (cached KV); prompt-logprobs: /v1/completions
@@ -80,6 +82,11 @@ class RouterConfig:
             raise ValueError("the router needs at least one verifier (--verifier http://HOST:PORT)")
         self.verifiers = [check_server_url(u, "verifier") for u in self.verifiers]
         self.drafters = [check_server_url(u, "drafter") for u in self.drafters]
+        self.near_verifiers = [check_server_url(u, "near verifier") for u in self.near_verifiers]
+        if set(self.near_verifiers) - set(self.verifiers):
+            raise ValueError(
+                f"--near-verifier {sorted(set(self.near_verifiers) - set(self.verifiers))} must also be a --verifier"
+            )
         if self.verify_api not in VERIFY_APIS:
             raise ValueError(f"verify_api must be one of {list(VERIFY_APIS)}, got {self.verify_api!r}")
         for name in ("draft_k", "k_min", "k_max", "max_body_bytes", "max_verify_inflight"):
@@ -113,6 +120,13 @@ def add_router_args(p) -> None:
         required=True,
         help="a verifier vLLM server (connector beside the store, --middleware vericache_connector.vllm_router.VerifyRoute), "
         "http://HOST:PORT; repeat for a pool",
+    )
+    p.add_argument(
+        "--near-verifier",
+        action="append",
+        default=[],
+        help="a --verifier beside the store (it loads a stored prefix fastest): requests passed on as they came "
+        "(a prefix-aware proxy) send a new prefix to it unless it has more of them out than the least busy other",
     )
     p.add_argument(
         "--drafter",
@@ -164,6 +178,7 @@ def config_from_args(args) -> RouterConfig:
     return RouterConfig(
         verifiers=list(args.verifier),
         drafters=list(args.drafter),
+        near_verifiers=list(getattr(args, "near_verifier", None) or []),
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,
         verify_api=args.verify_api,

@@ -172,7 +172,7 @@ class Routes:
         router = self.router
         tried: set[str] = set()
         key = affinity_key(body.get("prompt") if "prompt" in body else json.dumps(body.get("messages")))
-        while (server := router.verifiers.pick_for(key, avoid=tried)) is not None:  # same prefix, same server
+        while (server := router.verifiers.place(key, avoid=tried)) is not None:  # same prefix, same server
             tried.add(server.url)
             resp = None
 
@@ -192,6 +192,7 @@ class Routes:
                         await write(resp, data)
                     return resp
 
+            server.passed += 1  # the proxy's placement weighs what each server has out (Pool.place)
             try:
                 return await watched(request, relay())
             except ClientGone:
@@ -204,6 +205,8 @@ class Routes:
                 )
                 if resp is not None:  # part of the answer is out: it cannot start again elsewhere
                     return resp
+            finally:
+                server.passed -= 1
         return failed("every verifier failed", 502, "BadGateway")
 
 

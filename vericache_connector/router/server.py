@@ -47,6 +47,8 @@ class Router:
         self.cfg, self.token = cfg, token
         self.drafters = Pool.of(cfg.drafters, "drafter", cfg.down_s)
         self.verifiers = Pool.of(cfg.verifiers, "verifier", cfg.down_s)
+        for server in self.verifiers.servers:
+            server.near = server.url in cfg.near_verifiers
         self.up: Upstreams | None = None
         self.tokenizer, self.eos, self.defaults = None, frozenset(), {}
         self.name = cfg.served_model_name

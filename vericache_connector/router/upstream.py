@@ -21,12 +21,14 @@ import hashlib
 import itertools
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..model.sampling import top_token
 
 MAX_ANSWER_BYTES = 64 << 20
 AFFINITY_TOKENS = 256  # a prompt's first stored chunk: requests that share it go to the same drafter
+PLACED = 4096  # prefixes whose server a passed-on request remembers (Pool.place)
 
 
 CLIENT_STATUSES = (400, 413, 422)  # vLLM's answers to a request it refuses: the request's fault, not the server's
@@ -69,6 +71,8 @@ class Server:
     warm: bool = False  # a verifier that has answered a call with drafts (the first may take the open deadline)
     inflight: int = 0  # verify calls out now (a verifier's queue, as the router sees it)
     direct: int = 0  # requests it decodes by itself now (path "direct": RouterConfig.verifier_decode_slots)
+    near: bool = False  # beside the store: it loads a stored prefix fastest (--near-verifier)
+    passed: int = 0  # requests passed on to it as they came, out now
     verify_s: float | None = None  # EMA of its verify calls' round trips (drafted calls only)
     verify_at: float = 0.0  # when the last one came back
 
@@ -87,6 +91,7 @@ class Pool:
     servers: list[Server]
     down_s: float
     _turn: itertools.count = field(default_factory=itertools.count)
+    _placed: OrderedDict = field(default_factory=OrderedDict)  # affinity key -> URL its requests went to
 
     @classmethod
     def of(cls, urls: list[str], role: str, down_s: float) -> "Pool":
@@ -108,6 +113,30 @@ class Pool:
         now = time.monotonic()
         ring = sorted((s for s in self.servers if s.url not in avoid), key=lambda s: _score(key, s.url), reverse=True)
         return next((s for s in ring if s.down_until <= now), ring[0] if ring else None)
+
+    def place(self, key: int, avoid: set[str] = frozenset()) -> Server | None:
+        """Where a request passed on as it came goes (a prefix-aware proxy): the server its prefix went to
+        last, while that is up (its prefix cache holds it); a new prefix to a near server (beside the store: it
+        loads a stored prefix fastest) unless that has more passed-on requests out than the least busy other,
+        else to the least busy; ties by rendezvous score."""
+        now = time.monotonic()
+        ring = [s for s in self.servers if s.url not in avoid]
+        up = [s for s in ring if s.down_until <= now] or ring
+        if not up:
+            return None
+        held = next((s for s in up if s.url == self._placed.get(key)), None)
+        if held is None:
+            near, far = [s for s in up if s.near], [s for s in up if not s.near]
+            least = lambda group: min(group, key=lambda s: (s.passed, -_score(key, s.url)))  # noqa: E731
+            if near and (not far or least(near).passed <= least(far).passed):
+                held = least(near)
+            else:
+                held = least(far or near)
+        self._placed[key] = held.url
+        self._placed.move_to_end(key)
+        while len(self._placed) > PLACED:
+            self._placed.popitem(last=False)
+        return held
 
     def fault(self, server: Server) -> None:
         server.down_until = time.monotonic() + self.down_s
