@@ -241,7 +241,9 @@ def test_the_router_topology_passes_the_verifier_decode_slots_to_the_router_only
     assert router.router_argv(ctx, urls) == ["router", "--port", "0", "--verifier", "http://v",
                                              "--verifier-decode-slots", "0", "--drafter", "http://d0",
                                              "--drafter", "http://d1"]  # fmt: skip
-    assert plain.router_argv(ctx, {"plain0": "http://p0"}) == ["router", "--port", "0", "--verifier", "http://p0"]
+    assert plain.router_argv(ctx, {"plain0": "http://p0", "plain1": "http://p1"}) == [
+        "router", "--port", "0", "--verifier", "http://p0", "--verifier", "http://p1",
+        "--near-verifier", "http://p0"]  # fmt: skip
     args = vllm_bench.parse_args(
         ["--topology", "router", "--verifier-decode-slots", "4", "--max-verifier-decode-slots", "4"]
     )
