@@ -50,9 +50,9 @@ def cores(ctx, role: str) -> list[int] | None:
         return None  # one core: nothing to pin
 
 
-def cores_of(ctx) -> dict[str, list[int] | None]:
+def cores_of() -> dict[str, list[int] | None]:
     """What a summary row says of its configuration's compute: the cores beside the store and across the link."""
-    return {"beside the store": cores(ctx, "verifier"), "across the link": cores(ctx, "node")}
+    return {"beside the store": cores(None, "verifier"), "across the link": cores(None, "node")}
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def summarize(args, runs: list[dict], workload: dict, load: dict, command: str) 
         if args.topology == "router":  # every configuration the same cores (router.py)
             from benchmarks.vllm_load.router import cores_of
 
-            s["cores"] = cores_of(None)
+            s["cores"] = cores_of()
     keep_texts(runs, ref_label)
     return {
         "command": command,

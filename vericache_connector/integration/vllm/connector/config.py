@@ -288,6 +288,18 @@ def _extra_dict(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
     return extra
 
 
+def our_connector(cfg: Mapping[str, Any]) -> dict | None:
+    """The VeriCacheConnector entry of a --kv-transfer-config object: itself, or one of MultiConnector's
+    connectors; None where it names none."""
+    connectors = [cfg]
+    if cfg.get("kv_connector") == "MultiConnector":
+        extra = cfg.get("kv_connector_extra_config")
+        connectors += [
+            c for c in (extra.get("connectors", []) if isinstance(extra, dict) else []) if isinstance(c, dict)
+        ]
+    return next((c for c in connectors if c.get("kv_connector") == "VeriCacheConnector"), None)
+
+
 def load_kv_transfer_config(text: str, env: Mapping[str, str] | None = None) -> RemoteCacheConfig:
     """The whole ``--kv-transfer-config`` JSON (as a pod's arguments carry it) -> RemoteCacheConfig,
     checking that it names this connector."""
@@ -297,17 +309,11 @@ def load_kv_transfer_config(text: str, env: Mapping[str, str] | None = None) -> 
         raise ValueError(f"--kv-transfer-config is not JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"--kv-transfer-config must be a JSON object, got a JSON {type(cfg).__name__}")
-    connectors = (
-        [cfg] + [c for c in cfg.get("kv_connector_extra_config", {}).get("connectors", []) if isinstance(c, dict)]
-        if cfg.get("kv_connector") == "MultiConnector"
-        else [cfg]
-    )
-    ours = [c for c in connectors if c.get("kv_connector") == "VeriCacheConnector"]
-    if not ours:
+    mine = our_connector(cfg)
+    if mine is None:
         raise ValueError(
             f"--kv-transfer-config does not use VeriCacheConnector (kv_connector is {cfg.get('kv_connector')!r})"
         )
-    mine = ours[0]
     if mine.get("kv_connector_module_path") != CONNECTOR_MODULE:
         raise ValueError(
             f"kv_connector_module_path must be {CONNECTOR_MODULE!r}, got {mine.get('kv_connector_module_path')!r}"

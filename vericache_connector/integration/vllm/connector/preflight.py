@@ -40,14 +40,13 @@ def kv_transfer_text(argv: list[str]) -> str | None:
 
 def names_us(text: str) -> bool:
     """Whether the --kv-transfer-config JSON names VeriCacheConnector (alone or inside MultiConnector)."""
+    from .config import our_connector
+
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError:
         return False
-    if not isinstance(cfg, dict):
-        return False
-    inner = (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
-    return any(isinstance(c, dict) and c.get("kv_connector") == "VeriCacheConnector" for c in [cfg, *inner])
+    return isinstance(cfg, dict) and our_connector(cfg) is not None
 
 
 async def probe_store(url: str, timeout_s: float) -> None:
@@ -70,16 +69,10 @@ async def probe_store(url: str, timeout_s: float) -> None:
 def check(text: str, env=None) -> str | None:
     """--kv-transfer-config text -> None where it is fine, a warning line where the store did not answer;
     ValueError naming what is wrong."""
-    from .config import connector_role, load_kv_transfer_config, load_policy
+    from .config import load_kv_transfer_config, load_policy, our_connector
 
-    cfg = load_kv_transfer_config(text, env)
-    mine = json.loads(text)
-    if mine.get("kv_connector") == "MultiConnector":
-        mine = next(
-            c for c in mine["kv_connector_extra_config"]["connectors"] if c.get("kv_connector") == "VeriCacheConnector"
-        )
-    connector_role(mine.get("kv_connector_extra_config"))
-    load_policy(mine.get("kv_connector_extra_config"))
+    cfg = load_kv_transfer_config(text, env)  # the whole connector config resolved, its role included
+    load_policy(our_connector(json.loads(text)).get("kv_connector_extra_config"))
     try:
         asyncio.run(probe_store(cfg.url, cfg.timeout_s))
     except StoreUnavailable as e:

@@ -196,15 +196,15 @@ class VeriCacheConnectorScheduler:
         lookup runs: vLLM's scheduler never waits on the store for more than LOOKUP_WAIT_S (breaker.py)."""
         if self.breaker.is_down():
             if req.asking is not None:
-                req.asking, _ = None, req.asking.cancel()
+                req.asking.cancel()
+                req.asking = None
             self.stats.count("lookups_skipped")
             return 0
         try:
+            wait = 0.0  # asked again: the lookup has had its wait
             if req.asking is None:
-                req.asking = Lookup(self.client.submit(self.client.store.lookup(prefix)))
-                found = req.asking.result(LOOKUP_WAIT_S, self.cfg.timeout_s)
-            else:
-                found = req.asking.result(0.0, self.cfg.timeout_s)
+                req.asking, wait = Lookup(self.client.submit(self.client.store.lookup(prefix))), LOOKUP_WAIT_S
+            found = req.asking.result(wait, self.cfg.timeout_s)
         except Exception as e:  # noqa: BLE001 - the client is closed: the store is gone
             found = e
         if found is None:
